@@ -50,13 +50,17 @@ def check_distribution(pi: torch.Tensor, name: str = "pi") -> torch.Tensor:
     if not isinstance(pi, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(pi).__name__}")
     if pi.ndim == 0 or pi.shape[-1] == 0:
-        raise ValueError(f"{name} must have a non-empty last dimension (t >= 1), got shape {tuple(pi.shape)}")
+        raise ValueError(
+            f"{name} must have a non-empty last dimension (t >= 1), got shape {tuple(pi.shape)}"
+        )
     if not torch.is_floating_point(pi):
         raise ValueError(f"{name} must be a floating-point tensor, got dtype {pi.dtype}")
     if not torch.isfinite(pi).all():
         raise ValueError(f"{name} contains NaN or infinite entries; probabilities must be finite")
     if (pi < 0).any():
-        raise ValueError(f"{name} has negative entries (min {pi.min().item():.3g}); probabilities must be >= 0")
+        raise ValueError(
+            f"{name} has negative entries (min {pi.min().item():.3g}); probabilities must be >= 0"
+        )
     if (pi.sum(-1) <= 0).any():
         raise ValueError(f"{name} has a row with zero total mass; every row needs positive mass")
     return pi
@@ -78,5 +82,7 @@ def check_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | No
             f"query heads ({query.shape[0]}) must be a multiple of KV heads ({key.shape[0]}) for GQA groups"
         )
     if value is not None and (value.ndim != 3 or value.shape[:2] != key.shape[:2]):
-        raise ValueError(f"value must be [Hkv, t, d_v] matching key {tuple(key.shape)}, got {tuple(value.shape)}")
+        raise ValueError(
+            f"value must be [Hkv, t, d_v] matching key {tuple(key.shape)}, got {tuple(value.shape)}"
+        )
     return query.shape[0] // key.shape[0]

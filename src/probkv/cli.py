@@ -1,0 +1,166 @@
+"""The ``probkv`` command line.
+
+Subcommands live in the modules listed in ``COMMAND_MODULES``; this file only wires them.
+A module contributes subcommands by defining::
+
+    def add_commands(subparsers: argparse._SubParsersAction) -> None:
+        parser = subparsers.add_parser("name", help="one line")
+        parser.add_argument(...)
+        parser.set_defaults(handler=run_name)   # run_name(args) -> int exit status
+
+Handlers import heavy dependencies (torch models, transformers) themselves, so ``probkv --help``
+stays fast. Every subcommand accepts ``--threads`` (torch CPU threads, default 1: on the 2-core
+machines probkv is developed on, one thread per process measured faster than two).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+from collections.abc import Sequence
+
+#: Modules that contribute subcommands, in ``--help`` order; add yours here.
+COMMAND_MODULES: tuple[str, ...] = ("probkv.cli",)
+
+DEFAULT_THREADS = 1
+
+
+def positive_int(value: str) -> int:
+    """argparse type: an integer >= 1 (error message names the bad value)."""
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value!r}")
+    return n
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full parser: global options plus every module's subcommands."""
+    parser = argparse.ArgumentParser(
+        prog="probkv",
+        description="KV-cache eviction as importance sampling, with decode-time correction.",
+    )
+    from probkv import __version__
+
+    parser.add_argument("--version", action="version", version=f"probkv {__version__}")
+    parser.add_argument(
+        "--threads",
+        type=positive_int,
+        default=DEFAULT_THREADS,
+        help=f"torch CPU threads (default {DEFAULT_THREADS})",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module_name in COMMAND_MODULES:
+        importlib.import_module(module_name).add_commands(subparsers)
+    for name, sub in subparsers.choices.items():
+        if sub.get_default("handler") is None:
+            raise RuntimeError(f"subcommand {name!r} sets no handler (set_defaults(handler=...))")
+        # Also accepted after the subcommand; SUPPRESS keeps the global value when omitted.
+        sub.add_argument(
+            "--threads", type=positive_int, default=argparse.SUPPRESS, help="torch CPU threads"
+        )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``probkv`` console script; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    print(f"[probkv] torch threads: {torch.get_num_threads()} (--threads)", file=sys.stderr)
+    from probkv.models import ModelNotInstalledError
+
+    try:
+        return int(args.handler(args) or 0)
+    except (ValueError, ModelNotInstalledError) as err:
+        print(f"probkv {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+# -- built-in subcommands --------------------------------------------------------------------
+
+
+def add_commands(subparsers: argparse._SubParsersAction) -> None:
+    """The foundation's subcommands: ``generate`` and ``models``."""
+    from probkv.models import DEFAULT_MODEL
+
+    gen = subparsers.add_parser(
+        "generate",
+        help="greedy generation with a model (no eviction)",
+        description=_run_generate.__doc__,
+    )
+    gen.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"registry name, .gguf or folder (default {DEFAULT_MODEL})",
+    )
+    gen.add_argument("--prompt", default="What is the capital of France?", help="user message")
+    gen.add_argument("--max-new-tokens", type=positive_int, default=32, help="default 32")
+    gen.set_defaults(handler=_run_generate)
+
+    models = subparsers.add_parser(
+        "models", help="list the registry models, installed or not, and their cache state"
+    )
+    models.set_defaults(handler=_run_models)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    """Load a model (converting its GGUF once into the cache) and answer a prompt greedily."""
+    import torch
+
+    from probkv.models import chat_prompt_ids, load_model, resolve_model
+
+    start = time.perf_counter()
+    resolved = resolve_model(args.model)
+    model, tokenizer = load_model(resolved.path)
+    load_s = time.perf_counter() - start
+    ids = chat_prompt_ids(tokenizer, args.prompt)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=args.max_new_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id
+            if tokenizer.pad_token_id is not None
+            else tokenizer.eos_token_id,
+        )
+    gen_s = time.perf_counter() - start
+    new = out[0, ids.shape[1] :]
+    print(f"model: {args.model} ({resolved.origin}: {resolved.path})")
+    print(f"prompt: {args.prompt}")
+    print(f"answer: {tokenizer.decode(new, skip_special_tokens=True).strip()}")
+    print(
+        f"load {load_s:.2f} s ({resolved.origin}); prompt {ids.shape[1]} tokens; "
+        f"generated {new.numel()} tokens in {gen_s:.2f} s ({new.numel() / gen_s:.1f} tokens/s)"
+    )
+    return 0
+
+
+def _run_models(args: argparse.Namespace) -> int:
+    """Print every registry model: installed or not (with the install command), cache state."""
+    from probkv.models import DEFAULT_MODEL, cache_root, model_names, model_status
+
+    print(f"cache: {cache_root()}")
+    for name in model_names():
+        status = model_status(name)
+        default = " (default)" if name == DEFAULT_MODEL else ""
+        print(f"{name}{default}: {status.description}")
+        if not status.installed:
+            print(f"    not installed; install with: {status.install_command}")
+        elif status.cached is None:
+            print("    installed; not converted yet (first load converts it, ~20-60 s)")
+        else:
+            print(f"    installed; cached at {status.cached}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
