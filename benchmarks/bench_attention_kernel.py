@@ -1,0 +1,190 @@
+"""Speed and memory of probkv's chunked causal attention kernel (SPEC S2 chunking).
+
+``probkv.attention.causal_attention_with_column_sums`` runs inside the prefill attention of
+every layer when a policy needs attention statistics, so it is timed against what the layer
+would run anyway: ``torch.nn.functional.scaled_dot_product_attention(..., is_causal=True)`` on
+4-D inputs (the CPU flash kernel; 3-D inputs fall back to the much slower math path), both
+with ``enable_gqa=True`` and with repeated keys/values. Shape: SmolLM2-135M's attention
+(Hq = 9, Hkv = 3, d = 64), float32, one torch thread.
+
+Prints, per ``t``: best-of-N wall times and the ratios ours / sdpa (GQA) for
+  - output only (``row_weights=None``),
+  - output + column sums of one row weighting (harmonic: the min-h/h2o-h statistics; this
+    is what the integration layer runs during prefill),
+  - column sums only (``value=None``, what a proposal alone costs);
+and the peak extra memory (peak RSS growth, fresh subprocess) of the chunked kernel versus a
+dense reference that materialises the ``[Hq, t, t]`` attention matrix.
+
+Usage: ``python benchmarks/bench_attention_kernel.py [--t 1024 2048 4096 8192] [--reps 3]
+[--chunk-sizes 32 64 128] [--no-memory]``. Timings on a shared machine are noisy: rounds
+are interleaved and the minimum is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from probkv.attention import (
+    CPU_CHUNK_ROWS,
+    causal_attention_with_column_sums,
+    default_chunk_size,
+    harmonic_row_weights,
+)
+
+HQ, HKV, D = 9, 3, 64  # SmolLM2-135M
+
+
+def _inputs(t: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(HQ, t, D, generator=gen)
+    k = torch.randn(HKV, t, D, generator=gen)
+    v = torch.randn(HKV, t, D, generator=gen)
+    return q, k, v
+
+
+def _best(fn, reps: int) -> float:
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def time_one(t: int, reps: int, rounds: int, chunk_sizes: list[int | None]) -> dict:
+    q, k, v = _inputs(t)
+    scale = D**-0.5
+    g = HQ // HKV
+    w = harmonic_row_weights(t)[None]
+    q4, k4, v4 = q[None], k[None], v[None]
+    kr, vr = k4.repeat_interleave(g, 1), v4.repeat_interleave(g, 1)
+    cases = {
+        "sdpa_gqa": lambda: F.scaled_dot_product_attention(
+            q4, k4, v4, is_causal=True, scale=scale, enable_gqa=True
+        ),
+        "sdpa_rep": lambda: F.scaled_dot_product_attention(q4, kr, vr, is_causal=True, scale=scale),
+    }
+    for c in chunk_sizes:
+        cases[f"out/{c}"] = lambda c=c: causal_attention_with_column_sums(
+            q, k, v, scale=scale, row_weights=None, chunk_size=c
+        )
+        cases[f"out+cs/{c}"] = lambda c=c: causal_attention_with_column_sums(
+            q, k, v, scale=scale, row_weights=w, chunk_size=c
+        )
+        cases[f"cs/{c}"] = lambda c=c: causal_attention_with_column_sums(
+            q, k, None, scale=scale, row_weights=w, chunk_size=c
+        )
+    best = dict.fromkeys(cases, float("inf"))
+    for _ in range(rounds):  # interleave cases so that load from other processes is shared
+        for name, fn in cases.items():
+            best[name] = min(best[name], _best(fn, reps))
+    return best
+
+
+def _dense_reference(q, k, v, scale, w):
+    """The t x t way: what the chunked kernel avoids (for the memory comparison)."""
+    g = q.shape[0] // k.shape[0]
+    t = q.shape[1]
+    logits = torch.matmul(q, k.repeat_interleave(g, 0).transpose(1, 2)) * scale
+    logits.masked_fill_(torch.ones(t, t, dtype=torch.bool).triu_(1), float("-inf"))
+    p = torch.softmax(logits, -1)
+    return p @ v.repeat_interleave(g, 0), torch.einsum("st,hti->shi", w, p)
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def memory_child(t: int, which: str) -> None:
+    """Runs in a fresh process: prints the peak RSS growth (MiB) during one call.
+
+    The peak RSS (VmHWM) is reset to the current RSS just before the call by writing 5 to
+    /proc/self/clear_refs (Linux), so the growth counts only what the call itself touched.
+    """
+    torch.set_num_threads(1)
+    q, k, v = _inputs(t)
+    w = harmonic_row_weights(t)[None]
+    scale = D**-0.5
+    fn = {
+        "chunked": lambda: causal_attention_with_column_sums(q, k, v, scale=scale, row_weights=w),
+        "dense": lambda: _dense_reference(q, k, v, scale, w),
+        "sdpa": lambda: F.scaled_dot_product_attention(
+            q[None], k[None], v[None], is_causal=True, enable_gqa=True
+        ),
+    }[which]
+    torch.ones(8, 8) @ torch.ones(8, 8)  # load the BLAS before the baseline
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _status_kib("VmRSS")
+    fn()
+    peak = _status_kib("VmHWM")
+    print(json.dumps({"mib": (peak - before) / 1024}))
+
+
+def peak_memory_mib(t: int, which: str) -> float:
+    cmd = [sys.executable, __file__, "--memory-child", str(t), which]
+    res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return json.loads(res.stdout.strip().splitlines()[-1])["mib"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--t", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    ap.add_argument("--reps", type=int, default=2, help="calls per round (best kept)")
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds over all cases")
+    ap.add_argument(
+        "--chunk-sizes", type=int, nargs="*", default=[], help="extra chunk sizes to time"
+    )
+    ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument("--memory-child", nargs=2, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.memory_child:
+        memory_child(int(args.memory_child[0]), args.memory_child[1])
+        return
+    torch.set_num_threads(1)
+    chunks: list[int | None] = [None, *args.chunk_sizes]
+
+    print(f"torch {torch.__version__}, 1 thread, float32, Hq={HQ} Hkv={HKV} d={D}")
+    print("times in ms (best of reps x rounds); ratio = ours / sdpa(enable_gqa=True)")
+    header = (
+        f"{'t':>6} {'chunk':>6} {'sdpa_gqa':>9} {'sdpa_rep':>9} {'out':>9} {'ratio':>6} "
+        f"{'out+cs':>9} {'ratio':>6} {'cs only':>9} {'ratio':>6}"
+    )
+    print(header)
+    for t in args.t:
+        best = time_one(t, args.reps, args.rounds, chunks)
+        ref = best["sdpa_gqa"]
+        for c in chunks:
+            shown = default_chunk_size(HQ, t, max_rows=CPU_CHUNK_ROWS) if c is None else c
+            label = f"{shown}{'*' if c is None else ''}"
+            o, ocs, cs = best[f"out/{c}"], best[f"out+cs/{c}"], best[f"cs/{c}"]
+            print(
+                f"{t:>6} {label:>6} {ref * 1e3:>9.1f} {best['sdpa_rep'] * 1e3:>9.1f} "
+                f"{o * 1e3:>9.1f} {o / ref:>6.3f} {ocs * 1e3:>9.1f} {ocs / ref:>6.3f} "
+                f"{cs * 1e3:>9.1f} {cs / ref:>6.3f}",
+                flush=True,
+            )
+    print("* = default chunk size")
+
+    if args.no_memory:
+        return
+    print("\npeak extra memory (MiB): peak RSS growth during one call, fresh process each")
+    print(f"{'t':>6} {'chunked':>9} {'dense':>9} {'dense/chunked':>14} {'sdpa':>9}")
+    for t in args.t:
+        ch, de, sd = (peak_memory_mib(t, x) for x in ("chunked", "dense", "sdpa"))
+        print(f"{t:>6} {ch:>9.1f} {de:>9.1f} {de / max(ch, 1e-9):>14.1f} {sd:>9.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

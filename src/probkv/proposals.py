@@ -1,0 +1,217 @@
+"""Proposal distributions over cache entries (SPEC S2).
+
+A proposal ``pi`` is a distribution over the ``t`` prefix entries of one KV head, ``[..., t]``
+float32, with full support: every entry gets at least ``FLOOR / t`` before renormalising,
+so an importance weight ``1 / pi(i)`` is always finite (S2, S4). Proposals come from the
+log-scores of ``probkv.scores``: ``pi_tau(i) ∝ exp(log_score(i) / tau)`` (temperature), then
+``a * pi + (1 - a) / t`` (uniform mixing, ``a = uniform_mix``).
+
+Entries that a method keeps unconditionally (``forced``, e.g. SnapKV's observation window,
+S6) form a take-all stratum with weight 1: the proposal covers only the other entries, so
+forced entries get probability exactly 0 and the uniform mixture and the floor are taken
+over the ``n`` non-forced entries (``(1 - a) / n``, ``FLOOR / n``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from probkv._checks import check_choice, check_distribution, check_tau
+
+# Full-support floor (S2): every entry of a proposal gets at least FLOOR / t before the
+# distribution is renormalised.
+FLOOR = 1e-12
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """A proposal per KV head (S2) and the entries kept outside the sampling (S6).
+
+    ``pi``: ``[Hkv, t]`` float32; rows sum to 1 over the non-forced entries, each of which
+    has probability ``>= FLOOR / n`` (before renormalising); forced entries have 0.
+    ``forced``: ``[Hkv, t]`` bool mask of the take-all stratum (weight 1), or ``None``.
+    A row whose entries are all forced is all zeros: nothing is left to sample.
+    """
+
+    pi: torch.Tensor
+    forced: torch.Tensor | None = None
+
+
+def _out_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def with_floor(pi: torch.Tensor) -> torch.Tensor:
+    """Full support (S2): ``pi`` normalised, every entry raised to at least ``FLOOR / t``,
+    renormalised.
+
+    ``pi``: ``[..., t]`` non-negative, finite, every row with positive mass (need not be
+    normalised). Computed in float64; returned as float32 (float64 if ``pi`` is float64).
+    Entries end at least ``FLOOR / (t (1 + FLOOR))``, i.e. ``FLOOR / t`` up to the
+    renormalisation, which changes the others by a relative ``<= FLOOR``.
+    """
+    check_distribution(pi, "pi")
+    p = pi.to(torch.float64)
+    p = p / p.sum(-1, keepdim=True)
+    p = p.clamp_min(FLOOR / p.shape[-1])
+    return (p / p.sum(-1, keepdim=True)).to(_out_dtype(pi))
+
+
+def _check_alpha(alpha: torch.Tensor | None, num_kv_heads: int, g: int) -> torch.Tensor | None:
+    if alpha is None:
+        return None
+    if not isinstance(alpha, torch.Tensor):
+        alpha = torch.as_tensor(alpha, dtype=torch.float64)
+    if alpha.shape not in ((num_kv_heads * g,), (num_kv_heads, g)):
+        raise ValueError(
+            f"alpha must be [Hq] = [{num_kv_heads * g}] or [Hkv, g] = [{num_kv_heads}, {g}] "
+            f"(one weight per query head), got shape {tuple(alpha.shape)}"
+        )
+    a = alpha.to(torch.float64).reshape(num_kv_heads, g)
+    if not torch.isfinite(a).all() or (a < 0).any():
+        raise ValueError(f"alpha must be finite and >= 0, got {alpha.tolist()}")
+    if (a.sum(-1) <= 0).any():
+        raise ValueError(
+            f"alpha must give each GQA group positive total weight, got {alpha.tolist()}"
+        )
+    return a / a.sum(-1, keepdim=True)
+
+
+def group_mixture(
+    per_query_head: torch.Tensor, num_kv_heads: int, alpha: torch.Tensor | None = None
+) -> torch.Tensor:
+    """GQA (S2): one distribution per KV head, ``pi_G = sum_{h in G} alpha_h pi_h``.
+
+    Args:
+        per_query_head: ``[Hq, t]`` distributions (non-negative, finite, positive mass;
+            each row is normalised first), query head ``h`` in group ``h // g``.
+        num_kv_heads: ``Hkv``; ``Hq`` must be a multiple of it.
+        alpha: per-query-head weights ``[Hq]`` or ``[Hkv, g]``, normalised within each
+            group; ``None`` = uniform ``1 / g``.
+
+    Returns:
+        ``[Hkv, t]`` float32 (float64 if the input is float64), rows summing to 1.
+    """
+    check_distribution(per_query_head, "per_query_head")
+    if per_query_head.ndim != 2:
+        raise ValueError(f"per_query_head must be [Hq, t], got shape {tuple(per_query_head.shape)}")
+    hq, t = per_query_head.shape
+    if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads < 1:
+        raise ValueError(f"num_kv_heads must be an integer >= 1, got {num_kv_heads!r}")
+    if hq % num_kv_heads != 0:
+        raise ValueError(
+            f"query heads ({hq}) must be a multiple of num_kv_heads ({num_kv_heads}) for GQA groups"
+        )
+    g = hq // num_kv_heads
+    a = _check_alpha(alpha, num_kv_heads, g)
+    p = per_query_head.to(torch.float64)
+    p = (p / p.sum(-1, keepdim=True)).view(num_kv_heads, g, t)
+    mixed = p.mean(1) if a is None else (a.to(p.device)[..., None] * p).sum(1)
+    return mixed.to(_out_dtype(per_query_head))
+
+
+def proposal_from_log_scores(
+    log_scores: torch.Tensor,
+    *,
+    tau: float = 1.0,
+    uniform_mix: float = 1.0,
+    forced: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Proposal from log-scores (S2): temperature, uniform mixing, floor; forced entries 0.
+
+    ``pi_tau = softmax(log_scores / tau)`` over the non-forced entries, then
+    ``a * pi_tau + (1 - a) / n`` with ``a = uniform_mix`` and ``n`` the number of non-forced
+    entries of the row (``n = t`` without ``forced``), then ``with_floor`` on those entries:
+    each gets at least ``FLOOR / n`` before renormalising. ``tau = inf`` gives the uniform.
+
+    Args:
+        log_scores: ``[..., t]`` finite log-scores (``probkv.scores``).
+        tau: temperature, ``> 0`` (``float('inf')`` allowed).
+        uniform_mix: ``a`` in ``[0, 1]``: 1 keeps the tempered proposal, 0 is uniform.
+        forced: optional bool ``[..., t]``: entries kept outside the sampling (S6), given
+            probability 0. A row with every entry forced comes back all zeros.
+
+    Returns:
+        ``[..., t]`` float32; rows sum to 1 (0 for fully forced rows), full support on the
+        non-forced entries. Computed in float64.
+    """
+    if not isinstance(log_scores, torch.Tensor) or not torch.is_floating_point(log_scores):
+        raise ValueError(
+            f"log_scores must be a floating-point tensor, got {type(log_scores).__name__}"
+        )
+    if log_scores.ndim == 0 or log_scores.shape[-1] == 0:
+        raise ValueError(
+            f"log_scores must have a non-empty last dimension (t >= 1), got shape {tuple(log_scores.shape)}"
+        )
+    if not torch.isfinite(log_scores).all():
+        raise ValueError("log_scores contains NaN or infinite entries; log-scores must be finite")
+    tau = check_tau(tau)
+    if (
+        isinstance(uniform_mix, bool)
+        or not isinstance(uniform_mix, (int, float))
+        or not (0.0 <= uniform_mix <= 1.0)
+    ):
+        raise ValueError(
+            f"uniform_mix must be in [0, 1] (weight of the proposal against the uniform), got {uniform_mix!r}"
+        )
+    if forced is not None and (
+        not isinstance(forced, torch.Tensor)
+        or forced.dtype != torch.bool
+        or forced.shape != log_scores.shape
+    ):
+        raise ValueError(
+            f"forced must be a bool tensor of the log_scores' shape {tuple(log_scores.shape)}, got "
+            f"{getattr(forced, 'dtype', type(forced).__name__)} {tuple(getattr(forced, 'shape', ()))}"
+        )
+    z = log_scores.to(torch.float64)
+    free = torch.ones_like(z, dtype=torch.bool) if forced is None else ~forced
+    n = free.sum(-1, keepdim=True).to(torch.float64)
+    z = z.masked_fill(~free, -math.inf)
+    # S2 temperature, softmax over the free entries; the row maximum is subtracted before
+    # dividing by tau so that a tiny tau cannot overflow. Fully forced rows end all 0.
+    z = z - z.amax(-1, keepdim=True).nan_to_num(neginf=0.0)
+    z = z.masked_fill(free, 0.0) if math.isinf(tau) else z / tau  # tau = inf: uniform
+    pi = torch.exp(z)
+    pi = pi / pi.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
+    uniform = free.to(torch.float64) / n.clamp_min(1.0)
+    pi = uniform_mix * pi + (1.0 - uniform_mix) * uniform  # S2 uniform mixing
+    pi = torch.maximum(pi, FLOOR * uniform)  # S2 floor FLOOR / n on the free entries
+    pi = pi / pi.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
+    return pi.masked_fill(~free, 0.0).to(torch.float32)
+
+
+def build_proposal(
+    name: str,
+    query: torch.Tensor | None,
+    key: torch.Tensor,
+    value: torch.Tensor | None,
+    *,
+    scale: float,
+    tau: float = 1.0,
+    uniform_mix: float = 1.0,
+    **params: object,
+) -> Proposal:
+    """The S2 proposal ``name`` for one layer: ``compute_scores`` then
+    ``proposal_from_log_scores``.
+
+    ``name`` is one of ``probkv.scores.SCORE_NAMES`` (``h2o``, ``h2o-h``, ``min``,
+    ``min-h``, ``snapkv``, ``tova``, ``knorm``, ``streaming_llm``, ``uniform``); ``params``
+    go to ``probkv.scores.compute_scores`` (``column_sums``, ``chunk_size``, ``alpha``,
+    ``window``, ``kernel``, ``pooling``, ``sinks``). Tensors follow docs/architecture.md:
+    ``query [Hq, t, d]``, ``key``/``value [Hkv, t, d]``.
+
+    Returns a ``Proposal`` with ``pi [Hkv, t]`` float32 and the method's ``forced`` mask
+    (SnapKV's window, S6; ``None`` for the others).
+    """
+    # imported here: probkv.scores builds on this module's group_mixture and with_floor
+    from probkv.scores import SCORE_NAMES, compute_scores
+
+    check_choice(name, SCORE_NAMES, "name")
+    scores = compute_scores(name, query, key, value, scale=scale, **params)
+    pi = proposal_from_log_scores(
+        scores.log_scores, tau=tau, uniform_mix=uniform_mix, forced=scores.forced
+    )
+    return Proposal(pi, scores.forced)

@@ -1,0 +1,474 @@
+"""Classic eviction scores as log-scores per KV head (SPEC S2, S5, S6).
+
+Every score is returned in the log domain, ``[Hkv, t]`` float32 and finite, so that a top-k
+method (S5) is ``topk(log_scores)`` and the matching proposal (S2) is
+``softmax(log_scores / tau)`` (``probkv.proposals.proposal_from_log_scores``).
+
+Attention-derived scores (``h2o``, ``h2o-h``, ``min``, ``min-h``, ``snapkv``) are computed per
+query head, normalised into a distribution over the scored entries, mixed within each GQA
+group (``probkv.proposals.group_mixture``: uniform ``alpha`` unless given, S2), floored
+(``probkv.proposals.with_floor``: every entry at least ``FLOOR / t`` before renormalising)
+and logged; at ``tau = 1`` their proposal is exactly that floored mixture. A query head
+whose score has no mass at all (e.g. ``min`` with all-zero values) counts as uniform.
+
+``forced`` marks entries a method keeps outside its budget competition (SnapKV's
+observation window, S6): they count against the budget, and in the probabilistic variant
+they are a take-all stratum with weight 1 while the proposal covers the other entries.
+
+Single entry point for the integration layer: ``SCORE_NAMES``, ``column_sums_needed`` and
+``compute_scores``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from probkv._checks import check_choice, check_heads, check_positive_int
+from probkv.attention import (
+    attention_rows,
+    causal_attention_with_column_sums,
+    harmonic_row_weights,
+    uniform_row_weights,
+)
+from probkv.proposals import group_mixture, with_floor
+
+SCORE_NAMES: tuple[str, ...] = (
+    "h2o",
+    "h2o-h",
+    "min",
+    "min-h",
+    "snapkv",
+    "tova",
+    "knorm",
+    "streaming_llm",
+    "uniform",
+)
+
+# Log-score of a forced entry: log 2 exceeds every log-probability (<= 0), so even a plain
+# top-k that ignores ``forced`` ranks the forced entries first.
+FORCED_LOG_SCORE = math.log(2.0)
+
+
+@dataclass(frozen=True)
+class Scores:
+    """Log-scores of one layer (S2, S5).
+
+    ``log_scores``: ``[Hkv, t]`` float32, finite; larger = more important.
+    ``forced``: ``[Hkv, t]`` bool mask of entries always kept (counted against the budget,
+    weight 1 in the probabilistic variant, S6), or ``None``.
+    """
+
+    log_scores: torch.Tensor
+    forced: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        ls = self.log_scores
+        if ls.ndim != 2 or ls.dtype != torch.float32:
+            raise ValueError(
+                f"log_scores must be float32 [Hkv, t], got {ls.dtype} {tuple(ls.shape)}"
+            )
+        if not torch.isfinite(ls).all():
+            raise ValueError("log_scores must be finite")
+        if self.forced is not None and (
+            self.forced.dtype != torch.bool or self.forced.shape != ls.shape
+        ):
+            raise ValueError(
+                f"forced must be a bool mask of shape {tuple(ls.shape)}, got "
+                f"{self.forced.dtype} {tuple(self.forced.shape)}"
+            )
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _normalised_rows(x: torch.Tensor) -> torch.Tensor:
+    """``[..., n]`` non-negative scores -> float64 distributions; massless rows -> uniform."""
+    x = x.to(torch.float64)
+    total = x.sum(-1, keepdim=True)
+    uniform = torch.full_like(x, 1.0 / x.shape[-1])
+    return torch.where(total > 0, x / total.clamp_min(torch.finfo(torch.float64).tiny), uniform)
+
+
+def _group_log_scores(
+    per_query_head: torch.Tensor, num_kv_heads: int, alpha: torch.Tensor | None
+) -> torch.Tensor:
+    """S2 GQA: normalise per query head, mix within groups, floor, log -> ``[Hkv, n]`` f32."""
+    pi = group_mixture(_normalised_rows(per_query_head), num_kv_heads, alpha)
+    return torch.log(with_floor(pi).to(torch.float64)).to(torch.float32)
+
+
+def _check_layer(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None) -> int:
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if x is not None and (not isinstance(x, torch.Tensor) or not torch.is_floating_point(x)):
+            raise ValueError(
+                f"{name} must be a floating-point torch.Tensor, got {type(x).__name__}"
+            )
+    g = check_heads(query, key, value)
+    if query.shape[1] != key.shape[1]:
+        raise ValueError(
+            f"query length {query.shape[1]} must equal key length {key.shape[1]} (prefill)"
+        )
+    return g
+
+
+def _column_sums(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    *,
+    scale: float,
+    weights: Literal["uniform", "harmonic"],
+    column_sums: torch.Tensor | None,
+    chunk_size: int | None,
+) -> torch.Tensor:
+    """``[Hq, t]`` column sums of one row weighting (S2), given or computed in row chunks."""
+    hq, t = query.shape[0], key.shape[1]
+    if column_sums is not None:
+        if not isinstance(column_sums, torch.Tensor) or column_sums.shape != (hq, t):
+            raise ValueError(
+                f"column_sums must be [Hq, t] = [{hq}, {t}] (one {weights}-weighted row of "
+                f"causal_attention_with_column_sums' output), got "
+                f"{tuple(getattr(column_sums, 'shape', ()))}"
+            )
+        if not torch.isfinite(column_sums).all() or (column_sums < 0).any():
+            raise ValueError("column_sums must be finite and >= 0 (sums of probabilities)")
+        return column_sums
+    make = uniform_row_weights if weights == "uniform" else harmonic_row_weights
+    _, sums = causal_attention_with_column_sums(
+        query, key, None, scale=scale, row_weights=make(t)[None], chunk_size=chunk_size
+    )
+    return sums[0]
+
+
+def _value_norms(value: torch.Tensor, g: int) -> torch.Tensor:
+    """``[Hq, t]`` float64 ``||v_i||_2`` of each query head's KV head."""
+    return torch.linalg.vector_norm(value.to(torch.float64), dim=-1).repeat_interleave(g, 0)
+
+
+def _last_row(query: torch.Tensor, key: torch.Tensor, scale: float) -> torch.Tensor:
+    """``[Hq, t]``: ``p_t``, the last query's causal attention (S1)."""
+    t = key.shape[1]
+    return attention_rows(query[:, -1:], key, scale=scale, row_positions=[t - 1])[:, 0]
+
+
+# ------------------------------------------------------------------------------ scores
+
+
+def h2o(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    *,
+    scale: float,
+    chunk_size: int | None = None,
+    column_sums: torch.Tensor | None = None,
+    alpha: torch.Tensor | None = None,
+) -> Scores:
+    """H2O (S2, S5): ``log sum_j p_j(i)``, column sums over every causal row.
+
+    Computed in row chunks (never ``t x t``) unless the uniform ``column_sums [Hq, t]``
+    from ``causal_attention_with_column_sums`` are given. Per query head normalised, GQA
+    group mixture with ``alpha``, floored.
+    """
+    _check_layer(query, key, None)
+    sums = _column_sums(
+        query, key, scale=scale, weights="uniform", column_sums=column_sums, chunk_size=chunk_size
+    )
+    return Scores(_group_log_scores(sums, key.shape[0], alpha))
+
+
+def h2o_harmonic(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    *,
+    scale: float,
+    chunk_size: int | None = None,
+    column_sums: torch.Tensor | None = None,
+    alpha: torch.Tensor | None = None,
+) -> Scores:
+    """H2O with the harmonic prior (S2 ``h2o-h``): ``log sum_j h_j p_j(i)``,
+    ``h_j = 1 / ((t - j + 1) H_t)`` (recent rows weigh most). ``column_sums``: the
+    harmonic-weighted ``[Hq, t]`` sums if already computed."""
+    _check_layer(query, key, None)
+    sums = _column_sums(
+        query, key, scale=scale, weights="harmonic", column_sums=column_sums, chunk_size=chunk_size
+    )
+    return Scores(_group_log_scores(sums, key.shape[0], alpha))
+
+
+def min_variance(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    scale: float,
+    alpha: torch.Tensor | None = None,
+) -> Scores:
+    """Minimum-variance proposal for the last query (S2 ``min``): ``log p_t(i) ||v_i||_2``."""
+    if value is None:
+        raise ValueError("value is required for the 'min' score (pi ∝ p_t(i) * ||v_i||)")
+    g = _check_layer(query, key, value)
+    per_head = _last_row(query, key, scale).to(torch.float64) * _value_norms(value, g)
+    return Scores(_group_log_scores(per_head, key.shape[0], alpha))
+
+
+def min_variance_harmonic(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    scale: float,
+    chunk_size: int | None = None,
+    column_sums: torch.Tensor | None = None,
+    alpha: torch.Tensor | None = None,
+) -> Scores:
+    """S2 ``min-h``: ``log sum_j h_j p_j(i) ||v_i||_2`` (harmonic column sums times value
+    norms); ``column_sums``: the harmonic-weighted ``[Hq, t]`` sums if already computed."""
+    if value is None:
+        raise ValueError("value is required for the 'min-h' score (pi ∝ sum_j h_j p_j(i) ||v_i||)")
+    g = _check_layer(query, key, value)
+    sums = _column_sums(
+        query, key, scale=scale, weights="harmonic", column_sums=column_sums, chunk_size=chunk_size
+    )
+    per_head = sums.to(torch.float64) * _value_norms(value, g)
+    return Scores(_group_log_scores(per_head, key.shape[0], alpha))
+
+
+def snapkv(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    *,
+    scale: float,
+    window: int = 32,
+    kernel: int = 7,
+    pooling: Literal["max", "avg"] = "max",
+    alpha: torch.Tensor | None = None,
+) -> Scores:
+    """SnapKV (S6): pooled attention of the observation window to the prefix; window forced.
+
+    With ``w = min(window, t)``, the last ``w`` queries (rows ``t-w..t-1``) are the
+    observation window. For each query head: their causal attention (softmax over all
+    ``j + 1`` visible keys, window keys included) restricted to the prefix columns
+    ``0..t-w-1`` and averaged over the window rows; then a 1-D pooling of size ``kernel``
+    (odd), stride 1, ``kernel // 2`` padding on each side (max: padding never wins; avg:
+    zero padding counted in the mean, as ``avg_pool1d``); then normalised over the prefix,
+    mixed within the GQA group (``alpha``) and floored. The window's own ``w`` entries
+    are ``forced`` (kept always, counted against the budget) with log-score
+    ``FORCED_LOG_SCORE``; if ``t <= window`` every entry is forced.
+
+    Where the references differ (probkv's choice last):
+      - The SnapKV paper sums over the window, kvpress and others average: same ranking.
+      - Window columns: the paper, its reference code and kvpress all score only the
+        prefix, softmax over the full row, no renormalisation; so do we.
+      - Pooling defaults: the reference code's default is avg-pooling with kernel 5
+        (window 32), kvpress uses avg, kernel 5, window 64; the SPEC (S6) default is
+        max-pooling with kernel 7, window 32, which probkv follows.
+      - GQA: the reference code scores every query head separately (it needs repeated
+        keys); kvpress pools per query head and then averages the raw pooled scores of
+        the group. probkv pools per query head, normalises each head's pooled scores to a
+        distribution and then averages (S2's group mixture of normalised distributions):
+        this differs from kvpress only in how heads whose window looks mostly at itself
+        are weighted; with ``g = 1`` the ranking is the same.
+    """
+    _check_layer(query, key, None)
+    check_positive_int(window, "window")
+    check_positive_int(kernel, "kernel")
+    if kernel % 2 == 0:
+        raise ValueError(f"kernel must be odd (centred pooling keeps the length), got {kernel}")
+    check_choice(pooling, ("max", "avg"), "pooling")
+    hkv, t = key.shape[:2]
+    w = min(window, t)
+    prefix = t - w
+    forced = torch.zeros(hkv, t, dtype=torch.bool, device=key.device)
+    forced[:, prefix:] = True
+    log_scores = torch.full((hkv, t), FORCED_LOG_SCORE, dtype=torch.float32, device=key.device)
+    if prefix == 0:
+        return Scores(log_scores, forced)
+    rows = attention_rows(
+        query[:, prefix:], key, scale=scale, row_positions=torch.arange(prefix, t)
+    )  # [Hq, w, t]
+    observed = rows[..., :prefix].mean(1, dtype=torch.float64)  # [Hq, prefix]
+    pool = F.max_pool1d if pooling == "max" else F.avg_pool1d
+    pooled = pool(observed[:, None, :], kernel_size=kernel, stride=1, padding=kernel // 2)[:, 0]
+    log_scores[:, :prefix] = _group_log_scores(pooled, hkv, alpha)
+    return Scores(log_scores, forced)
+
+
+def tova(query: torch.Tensor, key: torch.Tensor, *, scale: float) -> Scores:
+    """TOVA (S2, S5): ``log`` of the last query's attention averaged over all query heads of
+    the layer; every KV head gets the same score. Floored."""
+    _check_layer(query, key, None)
+    mean = _normalised_rows(_last_row(query, key, scale)).mean(0)  # [t]
+    log_scores = torch.log(with_floor(mean).to(torch.float64)).to(torch.float32)
+    return Scores(log_scores.expand(key.shape[0], -1).contiguous())
+
+
+def knorm(key: torch.Tensor) -> Scores:
+    """K-norm (S2, S5): score ``-||k_i||_2`` (a low key norm marks an important entry, as in
+    Devoto et al. 2024; the paper's text says ``||v||``, the cited method uses keys)."""
+    if not isinstance(key, torch.Tensor) or not torch.is_floating_point(key) or key.ndim != 3:
+        raise ValueError(
+            f"key must be a floating-point [Hkv, t, d] tensor, got {getattr(key, 'shape', type(key).__name__)}"
+        )
+    if key.shape[1] == 0:
+        raise ValueError("key has no entries (t = 0); eviction needs t >= 1")
+    norms = torch.linalg.vector_norm(key.to(torch.float64), dim=-1)
+    if not torch.isfinite(norms).all():
+        raise ValueError("key contains NaN or infinite entries")
+    return Scores((-norms).to(torch.float32))
+
+
+def streaming_llm(
+    t: int, num_kv_heads: int, *, sinks: int = 4, device: torch.device | str | None = None
+) -> Scores:
+    """StreamingLLM (S2, S5): attention sinks plus recency, as log-scores.
+
+    With ``s = min(sinks, t)`` sinks and ``n = t - s`` other entries, the log-scores are
+    ``log 2`` for the sinks and ``log((i - s + 1) / n)`` for entry ``i = s..t-1``
+    (0-based), i.e. each sink is twice as likely as the newest entry. Hence:
+      - top-k for any ``k >= s``: exactly the ``s`` sinks plus the ``k - s`` most recent
+        entries (sinks score above every other entry, the rest strictly increase with
+        position; distinct in float32 for ``t`` up to about 2e7);
+      - ``softmax`` (tau = 1) is the mixture ``lam * Uniform(sinks) + (1 - lam) * r`` with
+        the linear recency distribution ``r(i) = 2 (i - s + 1) / (n (n + 1))`` (increasing)
+        and sink weight ``lam = 4 s / (4 s + n + 1)`` (``lam = 1`` when ``t <= sinks``).
+    """
+    check_positive_int(t, "t")
+    check_positive_int(num_kv_heads, "num_kv_heads")
+    check_positive_int(sinks, "sinks", allow_zero=True)
+    s = min(sinks, t)
+    n = t - s
+    scores = torch.full((t,), FORCED_LOG_SCORE, dtype=torch.float64)
+    if n:
+        scores[s:] = torch.log(torch.arange(1, n + 1, dtype=torch.float64) / n)
+    return Scores(scores.to(torch.float32).expand(num_kv_heads, t).contiguous().to(device))
+
+
+def uniform(t: int, num_kv_heads: int, *, device: torch.device | str | None = None) -> Scores:
+    """Uniform (S2): all log-scores 0; its proposal is the uniform distribution."""
+    check_positive_int(t, "t")
+    check_positive_int(num_kv_heads, "num_kv_heads")
+    return Scores(torch.zeros(num_kv_heads, t, dtype=torch.float32, device=device))
+
+
+# ---------------------------------------------------------------------- single entry point
+
+_COLUMN_SUMS: dict[str, Literal["uniform", "harmonic"]] = {
+    "h2o": "uniform",
+    "h2o-h": "harmonic",
+    "min-h": "harmonic",
+}
+
+# the keyword parameters each score accepts beyond the tensors, scale and chunk_size
+_PARAMS: dict[str, tuple[str, ...]] = {
+    "h2o": ("alpha",),
+    "h2o-h": ("alpha",),
+    "min": ("alpha",),
+    "min-h": ("alpha",),
+    "snapkv": ("window", "kernel", "pooling", "alpha"),
+    "tova": (),
+    "knorm": (),
+    "streaming_llm": ("sinks",),
+    "uniform": (),
+}
+
+
+def column_sums_needed(name: str) -> Literal["uniform", "harmonic"] | None:
+    """Which all-rows column sums score ``name`` needs: ``"uniform"`` (``h2o``),
+    ``"harmonic"`` (``h2o-h``, ``min-h``) or ``None`` (the others)."""
+    check_choice(name, SCORE_NAMES, "name")
+    return _COLUMN_SUMS.get(name)
+
+
+def score_param_names(name: str) -> tuple[str, ...]:
+    """Keyword parameters score ``name`` accepts in ``compute_scores(..., **params)``:
+    ``alpha`` (attention scores), ``window``/``kernel``/``pooling`` (``snapkv``), ``sinks``
+    (``streaming_llm``), and ``chunk_size`` for the scores that need column sums."""
+    check_choice(name, SCORE_NAMES, "name")
+    return (*_PARAMS[name], "chunk_size") if name in _COLUMN_SUMS else _PARAMS[name]
+
+
+def validate_params(name: str, params: dict[str, object]) -> None:
+    """Check a score name and its parameters before any work (``ValueError`` naming the
+    bad one and what is allowed). ``alpha`` is checked for shape when scores are computed."""
+    allowed = score_param_names(name)
+    unknown = sorted(set(params) - set(allowed))
+    if unknown:
+        listed = ", ".join(allowed) if allowed else "none"
+        raise ValueError(f"unknown parameter(s) {unknown} for score {name!r}; allowed: {listed}")
+    if "window" in params:
+        check_positive_int(params["window"], "window")
+    if "kernel" in params:
+        kernel = check_positive_int(params["kernel"], "kernel")
+        if kernel % 2 == 0:
+            raise ValueError(f"kernel must be odd (centred pooling keeps the length), got {kernel}")
+    if "pooling" in params:
+        check_choice(params["pooling"], ("max", "avg"), "pooling")
+    if "sinks" in params:
+        check_positive_int(params["sinks"], "sinks", allow_zero=True)
+    if params.get("chunk_size") is not None:
+        check_positive_int(params["chunk_size"], "chunk_size")
+
+
+def compute_scores(
+    name: str,
+    query: torch.Tensor | None,
+    key: torch.Tensor,
+    value: torch.Tensor | None,
+    *,
+    scale: float,
+    column_sums: torch.Tensor | None = None,
+    chunk_size: int | None = None,
+    **params: object,
+) -> Scores:
+    """Score ``name`` (one of ``SCORE_NAMES``) for one layer.
+
+    Args:
+        name: ``h2o``, ``h2o-h``, ``min``, ``min-h``, ``snapkv``, ``tova``, ``knorm``,
+            ``streaming_llm`` or ``uniform``.
+        query: ``[Hq, t, d]`` (may be ``None`` for ``knorm``, ``streaming_llm``, ``uniform``).
+        key: ``[Hkv, t, d]``; value: ``[Hkv, t, d_v]`` (required by ``min``, ``min-h``).
+        scale: logit scale.
+        column_sums: ``[Hq, t]`` the row-weighted column sums this score needs (see
+            ``column_sums_needed``), as returned by ``causal_attention_with_column_sums``
+            for that weighting; passing them for a score that needs none is an error.
+        chunk_size: rows per chunk when the column sums are computed here (ignored by
+            scores that need no column sums).
+        params: per score: ``alpha`` (GQA weights, attention scores), ``window``,
+            ``kernel``, ``pooling`` (``snapkv``), ``sinks`` (``streaming_llm``).
+    """
+    check_choice(name, SCORE_NAMES, "name")
+    validate_params(name, params)
+    if column_sums is not None and name not in _COLUMN_SUMS:
+        raise ValueError(
+            f"column_sums were given but score {name!r} uses none (only "
+            f"{', '.join(map(repr, _COLUMN_SUMS))} do)"
+        )
+    if not isinstance(key, torch.Tensor) or key.ndim != 3:
+        raise ValueError(f"key must be a [Hkv, t, d] tensor, got {getattr(key, 'shape', key)!r}")
+    if name in ("knorm", "streaming_llm", "uniform"):
+        # these scores read no attention; still refuse inconsistent layer tensors
+        _check_layer(key if query is None else query, key, value)
+        if name == "knorm":
+            return knorm(key)
+        if name == "streaming_llm":
+            return streaming_llm(key.shape[1], key.shape[0], device=key.device, **params)
+        return uniform(key.shape[1], key.shape[0], device=key.device)
+    if query is None:
+        raise ValueError(f"query is required for the {name!r} score")
+    if name == "min":
+        return min_variance(query, key, value, scale=scale, **params)
+    if name == "snapkv":
+        return snapkv(query, key, scale=scale, **params)
+    if name == "tova":
+        return tova(query, key, scale=scale)
+    # the scores built on all-rows column sums (S2)
+    chunked = {"column_sums": column_sums, "chunk_size": chunk_size, **params}
+    if name == "h2o":
+        return h2o(query, key, scale=scale, **chunked)
+    if name == "h2o-h":
+        return h2o_harmonic(query, key, scale=scale, **chunked)
+    return min_variance_harmonic(query, key, value, scale=scale, **chunked)
