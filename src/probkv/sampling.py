@@ -1,0 +1,492 @@
+"""Which entries a KV head keeps: sampling and the number of samples (SPEC S3, S9).
+
+Two samplers, both driven by a proposal ``pi`` ``[..., t]`` (one row per KV head):
+
+- with replacement (S3, the paper): draw ``m`` samples from ``pi``; entry ``i`` is kept iff it
+  was drawn (``c_i > 0``). ``m`` is chosen by binary search so that the expected number of
+  distinct entries ``E[J(m)] = sum_i 1 - (1 - pi_i)^m`` hits the target (Algorithm 2 of the
+  paper's Appendix F), per head or globally (one ``m`` for all heads of all layers).
+- pps (S9): fixed-size sampling without replacement with inclusion probabilities
+  ``P_i = min(1, lam * pi_i)`` summing to the budget, drawn by systematic sampling.
+
+Conventions shared by every function here:
+
+- All arithmetic is float64. Each row of ``pi`` is renormalised in float64 before use (this only
+  removes float32 rounding of the row sum; rows whose sum is off by more than ``ROW_SUM_TOL``
+  are rejected as a likely mistake, e.g. scores passed instead of probabilities).
+- Entries kept outside sampling (SnapKV's observation window, a take-all stratum) are passed
+  as ``always_kept``: a per-row count ``a_h``. The proposal is then given over the full row
+  of ``t_h = pi.shape[-1]`` entries with **zeros at the always-kept positions** (it is the
+  proposal over the other entries); ``t_h`` counts every entry of the head, and the
+  always-kept entries count toward the head's kept fraction. A zero entry is never sampled.
+- Randomness only through an explicit ``torch.Generator``.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable, Sequence
+
+import torch
+
+from probkv._checks import check_choice, check_distribution, check_ratio
+
+MAX_SAMPLES = 10**12
+"""Upper end of the binary search for ``m`` (S3; Algorithm 2's ``alpha``)."""
+
+MAX_EXACT_COUNT = 2**53
+"""Largest ``m`` whose counts float64 (the binomial sampler's type) represents exactly."""
+
+ROW_SUM_TOL = 1e-3
+"""A proposal row may sum to ``1 +/- ROW_SUM_TOL`` (float32 rounding); it is renormalised."""
+
+_SEARCH_STEPS = 64  # > log2(MAX_SAMPLES + 1) = 40: every binary search ends well before this
+
+Probabilities = torch.Tensor | Sequence[torch.Tensor]
+Count = int | torch.Tensor
+
+
+# --------------------------------------------------------------------------- input helpers
+
+
+def _probabilities(pi: torch.Tensor, name: str = "pi") -> torch.Tensor:
+    """Validated float64 copy of a batch of distributions ``[..., t]``, rows renormalised."""
+    check_distribution(pi, name)
+    p = pi.to(torch.float64)
+    total = p.sum(-1, keepdim=True)
+    bad = (total - 1.0).abs() > ROW_SUM_TOL
+    if bad.any():
+        worst = total[bad].flatten()[0].item()
+        raise ValueError(
+            f"{name} rows must sum to 1 (within {ROW_SUM_TOL:g}); a row sums to {worst:.6g}. "
+            "Pass probabilities (e.g. probkv.proposals), not scores"
+        )
+    return p / total
+
+
+def _integer_per_row(
+    value: Count, batch_shape: torch.Size, name: str, *, upper: int | None = None, device=None
+) -> torch.Tensor:
+    """A non-negative integer, or an integer tensor broadcastable to ``batch_shape``, as int64."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        raise ValueError(f"{name} must be a non-negative integer or integer tensor, got {value!r}")
+    if isinstance(value, numbers.Integral):
+        out = torch.tensor(int(value), dtype=torch.int64, device=device)
+    elif isinstance(value, torch.Tensor):
+        if value.dtype.is_floating_point or value.dtype.is_complex:
+            raise ValueError(f"{name} must have an integer dtype, got {value.dtype}")
+        out = value.to(device=device, dtype=torch.int64)
+    else:
+        raise ValueError(
+            f"{name} must be a non-negative integer or integer tensor, got {type(value).__name__}"
+        )
+    if (out < 0).any():
+        raise ValueError(f"{name} must be >= 0, got {int(out.min())}")
+    if upper is not None and (out > upper).any():
+        raise ValueError(f"{name} must be <= {upper}, got {int(out.max())}")
+    try:
+        return out.broadcast_to(batch_shape)
+    except RuntimeError:
+        raise ValueError(
+            f"{name} of shape {tuple(out.shape)} does not broadcast to the rows of pi "
+            f"{tuple(batch_shape)}"
+        ) from None
+
+
+def _always_kept(a: Count | None, p: torch.Tensor, name: str = "always_kept") -> torch.Tensor:
+    """Per-row count of always-kept entries (int64 ``p.shape[:-1]``); ``pi`` must be zero there."""
+    if a is None:
+        return torch.zeros(p.shape[:-1], dtype=torch.int64, device=p.device)
+    out = _integer_per_row(a, p.shape[:-1], name, device=p.device)
+    zeros = (p == 0).sum(-1)
+    if (out > zeros).any():
+        row = (out > zeros).nonzero()[0].tolist()
+        raise ValueError(
+            f"{name}={int(out[tuple(row)])} in row {row} but pi has only {int(zeros[tuple(row)])} "
+            "zero entries there; pi must be zero at the always-kept positions (module docstring)"
+        )
+    return out
+
+
+def _as_list(pi: Probabilities, name: str) -> list[torch.Tensor]:
+    if isinstance(pi, torch.Tensor):
+        return [pi]
+    if isinstance(pi, (list, tuple)) and len(pi) > 0:
+        return list(pi)
+    raise ValueError(f"{name} must be a tensor or a non-empty list of tensors, got {pi!r}")
+
+
+def _per_tensor(a: Count | Sequence[Count] | None, n: int, name: str) -> list[Count | None]:
+    """``always_kept`` for a list of tensors: None, one value for all, or one per tensor."""
+    if a is None or isinstance(a, (numbers.Integral, torch.Tensor)):
+        return [a] * n
+    if isinstance(a, (list, tuple)) and len(a) == n:
+        return list(a)
+    raise ValueError(f"{name} must be None, an integer, a tensor, or a list of {n} of those")
+
+
+# --------------------------------------------------------------- expected distinct (S3)
+
+
+def _log1m(p: torch.Tensor) -> torch.Tensor:
+    """``log(1 - p)`` (``-inf`` where ``p = 1``)."""
+    return torch.log1p(-p)
+
+
+def _expected_distinct(log1m_p: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``sum_i 1 - exp(m log(1 - p_i))`` from precomputed ``log(1 - p)``; ``m`` int64 per row."""
+    mf = m.to(torch.float64).unsqueeze(-1)
+    x = torch.where(mf > 0, mf * log1m_p, 0.0)  # m = 0 with p = 1 would give 0 * -inf = nan
+    return (-torch.expm1(x)).sum(-1)
+
+
+def expected_distinct(pi: torch.Tensor, m: Count) -> torch.Tensor:
+    """Expected number of distinct entries after ``m`` draws with replacement (S3).
+
+    ``E[J(m)] = sum_i 1 - (1 - pi_i)^m``, computed as ``-expm1(m * log1p(-pi_i))`` in float64,
+    which stays accurate for ``m`` up to ``10^12`` with ``pi_i`` down to ``1e-13`` and for
+    ``pi_i = 1``. Non-decreasing in ``m``; ``E[J(0)] = 0``.
+
+    Args:
+        pi: ``[..., t]`` probabilities (rows sum to 1).
+        m: non-negative int, or integer tensor broadcastable to ``pi.shape[:-1]``.
+
+    Returns:
+        float64 ``pi.shape[:-1]``.
+    """
+    p = _probabilities(pi)
+    m_rows = _integer_per_row(m, p.shape[:-1], "m", device=p.device)
+    return _expected_distinct(_log1m(p), m_rows)
+
+
+def inclusion_probabilities_with_replacement(pi: torch.Tensor, m: Count) -> torch.Tensor:
+    """``P(entry i drawn at least once in m draws) = 1 - (1 - pi_i)^m`` (S9), float64 ``[..., t]``.
+
+    Computed as ``-expm1(m * log1p(-pi_i))``; ``m`` as in ``expected_distinct``.
+    """
+    p = _probabilities(pi)
+    m_rows = _integer_per_row(m, p.shape[:-1], "m", device=p.device)
+    mf = m_rows.to(torch.float64).unsqueeze(-1)
+    return -torch.expm1(torch.where(mf > 0, mf * _log1m(p), 0.0))
+
+
+# ------------------------------------------------------------ number of samples (S3)
+
+
+def _binary_search(
+    objective: Callable[[torch.Tensor], torch.Tensor],
+    target: torch.Tensor,
+    tol: torch.Tensor,
+) -> torch.Tensor:
+    """Algorithm 2 of the paper, run for every row at once.
+
+    Finds an integer ``m`` in ``[0, MAX_SAMPLES]`` with ``|objective(m) - target| <= tol`` for a
+    non-decreasing ``objective`` (int64 ``[R]`` -> float64 ``[R]``). The set of valid ``m`` is an
+    interval, so the search keeps it inside ``[low, high]`` and finds it when it exists. When it
+    does not (the target is out of reach), the search ends with ``low = high + 1`` and the closer
+    of ``low - 1`` and ``low`` (clipped to the range) is returned: ``0`` if even ``m = 0``
+    overshoots, ``MAX_SAMPLES`` if even ``MAX_SAMPLES`` falls short.
+    """
+    low = torch.zeros_like(target, dtype=torch.int64)
+    high = torch.full_like(low, MAX_SAMPLES)
+    found = torch.zeros_like(low, dtype=torch.bool)
+    result = torch.zeros_like(low)
+    for _ in range(_SEARCH_STEPS):
+        active = ~found & (low <= high)
+        if not active.any():
+            break
+        mid = (low + high) // 2
+        value = objective(mid)
+        hit = active & ((value - target).abs() <= tol)
+        result = torch.where(hit, mid, result)
+        found |= hit
+        below = active & ~hit & (value < target)
+        above = active & ~hit & ~(value < target)
+        low = torch.where(below, mid + 1, low)
+        high = torch.where(above, mid - 1, high)
+    if not found.all():
+        lo = (low - 1).clamp(0, MAX_SAMPLES)
+        hi = low.clamp(0, MAX_SAMPLES)
+        closer_lo = (objective(lo) - target).abs() <= (objective(hi) - target).abs()
+        result = torch.where(found, result, torch.where(closer_lo, lo, hi))
+    return result
+
+
+def samples_for_ratio(
+    pi: Probabilities,
+    ratio: float,
+    scope: str = "head",
+    *,
+    always_kept: Count | Sequence[Count] | None = None,
+) -> torch.Tensor | int:
+    """Number of samples ``m`` whose expected kept fraction is ``1 - ratio`` (S3, Algorithm 2).
+
+    ``scope="head"``: ``pi`` is a tensor ``[..., t]``; every row ``h`` (a KV head) gets its own
+    ``m_h`` with ``|a_h + E[J_h(m_h)] - (1 - r) t| <= 0.5``, where ``a_h`` is ``always_kept`` (0 by
+    default), i.e. the sampled part targets ``j*_h = (1 - r) t - a_h`` distinct entries. Such an
+    ``m`` exists because ``E[J(m + 1)] - E[J(m)] = sum_i pi_i (1 - pi_i)^m <= 1`` (consecutive
+    values never jump over a window of width 1). All rows are searched at once:
+    ``O(t log 10^12)`` work per row.
+
+    ``scope="global"`` (Appendix F.1): one ``m`` for every row of every tensor (``pi`` may be a
+    list of ``[H_l, t_l]`` tensors, one per layer, with different ``t_l``). With ``t_h`` the
+    length of head ``h`` and ``H`` the number of heads in all, the kept fraction
+    ``f(m) = (1/H) sum_h (a_h + E[J_h(m)]) / t_h`` is non-decreasing and
+    ``f(m + 1) - f(m) <= (1/H) sum_h 1 / t_h``, so by the same argument the returned ``m``
+    satisfies ``|f(m) - (1 - r)| <= (1/2) (1/H) sum_h 1 / t_h``. With equal lengths this is
+    ``0.5 / t``: the mean expected kept count is within 0.5 of ``(1 - r) t``, as per head.
+
+    Out-of-reach targets (clamped, documented): if the always-kept entries alone exceed the
+    target (``a_h > (1 - r) t_h``, or on average for "global"), ``j*`` is clamped to 0 and
+    ``m = 0``: nothing is sampled and the head keeps its ``a_h`` entries, more than the budget.
+    If the proposal puts so little mass on some entries that even ``MAX_SAMPLES`` draws fall
+    short of the target by more than the tolerance (possible only for masses below about
+    ``1e-12`` or exactly 0; see the paper's remark after Algorithm 2), ``m = MAX_SAMPLES``, the
+    closest reachable value, and the kept fraction falls short of ``1 - r``. Check with
+    ``expected_distinct`` when it matters.
+
+    Args:
+        pi: ``[..., t]`` proposal (zeros at always-kept positions), or for "global" a list of
+            such tensors.
+        ratio: compression ratio ``r`` in ``[0, 1)`` (fraction evicted).
+        scope: ``"head"`` or ``"global"``.
+        always_kept: per-row count of entries kept outside sampling: an int, an integer tensor
+            broadcastable to ``pi.shape[:-1]``, or (global) a list with one per tensor.
+
+    Returns:
+        "head": int64 tensor ``pi.shape[:-1]``; "global": a Python int.
+    """
+    r = check_ratio(ratio)
+    check_choice(scope, ("head", "global"), "scope")
+    if scope == "head":
+        if not isinstance(pi, torch.Tensor):
+            raise ValueError(
+                f"pi must be one tensor [..., t] for scope='head' (lists are for scope='global'), "
+                f"got {type(pi).__name__}"
+            )
+        p = _probabilities(pi)
+        a = _always_kept(always_kept, p, "always_kept")
+        t = p.shape[-1]
+        target = ((1.0 - r) * t - a.to(torch.float64)).clamp(min=0.0).flatten()
+        log1m_p = _log1m(p).reshape(-1, t)
+        m = _binary_search(
+            lambda m: _expected_distinct(log1m_p, m), target, torch.full_like(target, 0.5)
+        )
+        return m.reshape(p.shape[:-1])
+
+    tensors = _as_list(pi, "pi")
+    kept_per_tensor = _per_tensor(always_kept, len(tensors), "always_kept")
+    log1m_rows, lengths, forced = [], [], []
+    for i, (x, a) in enumerate(zip(tensors, kept_per_tensor, strict=True)):
+        p = _probabilities(x, f"pi[{i}]")
+        t = p.shape[-1]
+        log1m_rows.append(_log1m(p).reshape(-1, t))
+        lengths.append(torch.full((log1m_rows[-1].shape[0],), float(t), dtype=torch.float64))
+        forced.append(_always_kept(a, p, f"always_kept[{i}]").reshape(-1).to(torch.float64).cpu())
+    inv_t = 1.0 / torch.cat(lengths)
+    base = torch.cat(forced) * inv_t  # a_h / t_h
+
+    def kept_fraction(m: torch.Tensor) -> torch.Tensor:  # f(m) above, for one m ([1])
+        e = torch.cat([_expected_distinct(x, m.to(x.device)).cpu() for x in log1m_rows])
+        return (base + e * inv_t).mean().reshape(1)
+
+    target = torch.tensor([1.0 - r], dtype=torch.float64)
+    tol = 0.5 * inv_t.mean().reshape(1)
+    return int(_binary_search(kept_fraction, target, tol)[0])
+
+
+# ------------------------------------------------------------- with replacement (S3)
+
+
+def sample_counts(pi: torch.Tensor, m: Count, generator: torch.Generator) -> torch.Tensor:
+    """Multinomial counts: ``m`` draws with replacement from each row of ``pi`` (S3).
+
+    Exact in distribution and ``O(t)`` memory per row whatever ``m`` (up to ``2^53``): the
+    entries are the leaves of a binary tree; a node's count is split between its two children by
+    one binomial draw with probability ``mass(left) / mass(node)`` (the multinomial's
+    conditional law), one tree level at a time for all rows at once (``log2 t`` binomial calls).
+    The same ``generator`` state gives the same counts. Kept set: ``counts > 0``.
+
+    Args:
+        pi: ``[..., t]`` probabilities (rows sum to 1; zero entries are never drawn).
+        m: draws per row: non-negative int or integer tensor broadcastable to ``pi.shape[:-1]``.
+        generator: the only source of randomness (on ``pi``'s device).
+
+    Returns:
+        int64 ``[..., t]``, each row summing to its ``m``.
+    """
+    if not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    p = _probabilities(pi)
+    batch, t = p.shape[:-1], p.shape[-1]
+    m_rows = _integer_per_row(m, batch, "m", upper=MAX_EXACT_COUNT, device=p.device)
+    rows = p.reshape(-1, t)
+    width = 1 << max(t - 1, 0).bit_length()  # leaves padded with zero mass to a power of two
+    masses = [torch.nn.functional.pad(rows, (0, width - t))]
+    while masses[-1].shape[-1] > 1:
+        masses.append(masses[-1].unflatten(-1, (-1, 2)).sum(-1))
+    counts = m_rows.reshape(-1, 1).to(torch.float64)
+    for level in reversed(masses[:-1]):
+        pairs = level.unflatten(-1, (-1, 2))
+        node = pairs.sum(-1)
+        p_left = torch.where(node > 0, pairs[..., 0] / node, 0.0).clamp(0.0, 1.0)
+        left = torch.binomial(counts, p_left, generator=generator)
+        left = torch.minimum(left.clamp(min=0.0), counts)  # guard: counts stay in [0, parent]
+        counts = torch.stack([left, counts - left], -1).flatten(-2)
+    return counts[:, :t].to(torch.int64).reshape(*batch, t)
+
+
+# --------------------------------------------------------------------------- pps (S9)
+
+
+def _pps_scale(p: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``lam = num / den`` per row with ``sum_i min(1, lam p_i) = k`` (S9 iterative capping).
+
+    ``p`` ``[R, n]`` float64 non-negative, ``k`` ``[R]`` float64 ``>= 0``. Sorting each row in
+    decreasing order, capping the ``c`` largest entries leaves ``lam_c = (k - c) / S_c`` with
+    ``S_c`` the mass of the others; the solution is the smallest ``c`` with ``lam_c p_(c+1) <= 1``
+    (iterative capping stops exactly there). ``lam`` is returned as a fraction so that a tiny
+    ``S_c`` (subnormal masses) cannot overflow it; ``den = 0`` when a row has fewer than ``k``
+    positive entries (all of them get ``P = 1``), ``num = 0`` when ``k = 0``.
+    """
+    s = p.sort(-1, descending=True).values
+    rest = s.flip(-1).cumsum(-1).flip(-1)  # rest[:, c] = S_c, mass outside the c largest
+    c = torch.arange(s.shape[-1], dtype=torch.float64, device=p.device)
+    kk = k.unsqueeze(-1)
+    ok = ((kk - c) * s <= rest) & (c < kk)
+    first = ok.to(torch.int8).argmax(-1)  # k = 0: no c qualifies, num = 0 below
+    num = torch.where(k > 0, k - first.to(torch.float64), 0.0)
+    den = rest.gather(-1, first.unsqueeze(-1)).squeeze(-1)
+    return num, den
+
+
+def _capped(p: torch.Tensor, num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """``min(1, (num / den) p)``, computed as ``num * (p / den)``; ``P = 0`` where ``p = 0``."""
+    num, den = num.unsqueeze(-1), den.unsqueeze(-1)
+    return torch.where((p > 0) & (num > 0), (num * (p / den)).clamp(max=1.0), 0.0)
+
+
+def pps_inclusion_probabilities(
+    pi: torch.Tensor, k: Count, always_kept: Count | None = None
+) -> torch.Tensor:
+    """Inclusion probabilities of fixed-size pps sampling per row (S9).
+
+    ``P_i = min(1, lam * pi_i)`` with ``lam`` per row such that ``sum_i P_i = k - a`` (``a`` =
+    ``always_kept``; ``k`` is the head's whole budget, always-kept entries included). Entries
+    with ``P_i = 1`` form the take-all stratum. Computed by the closed form of iterative capping
+    (sort, suffix sums), vectorised over rows; the sum is exact up to float64 rounding.
+
+    Clamps (documented): ``a > k`` gives ``P = 0`` (nothing sampled; the head keeps its ``a``
+    entries, over budget). A row with fewer than ``k - a`` positive entries gets ``P = 1`` on
+    all of them (its sum is their number, below ``k - a``).
+
+    Args:
+        pi: ``[..., t]`` proposal, zero at always-kept positions.
+        k: budget per row, ``0 <= k <= t``: int or integer tensor broadcastable to ``pi.shape[:-1]``.
+        always_kept: per-row count of entries kept outside sampling (default 0).
+
+    Returns:
+        float64 ``[..., t]`` in ``[0, 1]``.
+    """
+    p = _probabilities(pi)
+    batch, t = p.shape[:-1], p.shape[-1]
+    k_rows = _integer_per_row(k, batch, "k", device=p.device)
+    if (k_rows > t).any():
+        raise ValueError(f"k must be <= t = {t} (entries per row), got {int(k_rows.max())}")
+    a = _always_kept(always_kept, p)
+    sampled = (k_rows - a).clamp(min=0).to(torch.float64).reshape(-1)
+    rows = p.reshape(-1, t)
+    return _capped(rows, *_pps_scale(rows, sampled)).reshape(p.shape)
+
+
+def pps_inclusion_probabilities_global(
+    pis: Probabilities,
+    ratio: float,
+    always_kept: Count | Sequence[Count] | None = None,
+) -> torch.Tensor | list[torch.Tensor]:
+    """pps inclusion probabilities with one ``lam`` for all heads of all layers (S9 global).
+
+    ``P_hi = min(1, lam * pi_hi)`` with a single ``lam`` such that the total expected number of
+    kept entries is the global budget: ``sum_h (a_h + sum_i P_hi) = sum_h (1 - r) t_h`` (``a_h``
+    always kept, ``t_h`` the head's length; the sampled total is clamped at 0 if the always-kept
+    entries exceed the budget). ``lam`` solves capping on the concatenation of all rows.
+
+    What is exact and what is only in expectation: ``P_hi`` is exactly each entry's inclusion
+    probability under ``systematic_sample``, and the ``P`` of all heads sum to the global budget
+    (up to float64 rounding). A head's own sum ``s_h = sum_i P_hi`` is real, generally not an
+    integer: ``systematic_sample`` keeps ``floor(s_h)`` or ``ceil(s_h)`` of its entries, with
+    mean ``s_h``, so per-head sizes and the total kept are random, equal to the budget in
+    expectation only (the total lies between ``sum_h floor(s_h)`` and ``sum_h ceil(s_h)``).
+    Note the budget here is a sum of counts (memory), whereas ``samples_for_ratio``'s global
+    scope targets the mean over heads of kept fractions (Appendix F.1); with equal lengths the two
+    coincide.
+
+    Args:
+        pis: ``[..., t]`` proposal or a list of such tensors (one per layer, lengths may differ).
+        ratio: compression ratio ``r`` in ``[0, 1)``.
+        always_kept: as in ``samples_for_ratio`` (int, tensor, or one per tensor).
+
+    Returns:
+        float64 tensors shaped like ``pis`` (a tensor for a tensor, a list for a list).
+    """
+    r = check_ratio(ratio)
+    tensors = _as_list(pis, "pis")
+    kept_per_tensor = _per_tensor(always_kept, len(tensors), "always_kept")
+    probs, budget, forced = [], 0.0, 0
+    for i, (x, a) in enumerate(zip(tensors, kept_per_tensor, strict=True)):
+        p = _probabilities(x, f"pis[{i}]")
+        probs.append(p)
+        budget += (1.0 - r) * p.shape[-1] * math.prod(p.shape[:-1])
+        forced += int(_always_kept(a, p, f"always_kept[{i}]").sum())
+    sampled = max(budget - forced, 0.0)
+    flat = torch.cat([p.reshape(1, -1).to(probs[0].device) for p in probs], -1)
+    num, den = _pps_scale(flat, torch.tensor([sampled], dtype=torch.float64, device=flat.device))
+    out = []
+    for p in probs:  # the one (num, den) broadcast over every row of every tensor
+        ones = [1] * (p.ndim - 1)
+        out.append(_capped(p, num.to(p.device).reshape(ones), den.to(p.device).reshape(ones)))
+    return out[0] if isinstance(pis, torch.Tensor) else out
+
+
+def systematic_sample(inclusion: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Systematic sampling: a bool mask drawing entry ``i`` with probability ``P_i`` (S9).
+
+    Per row, one uniform offset ``u`` in ``[0, 1)``; entry ``i`` is kept iff the interval
+    ``[C_{i-1}, C_i)`` of the cumulative sums contains a point of ``u + {0, 1, 2, ...}``. Entries
+    with ``P_i = 1`` are always kept and left out of the cumulative sums (removing an interval of
+    length 1 shifts the points by an integer: the same draw as keeping them in). The sums run in
+    the natural (index) order; the marginal inclusion probabilities are ``P_i`` whatever the
+    order, but the joint ones depend on it (e.g. neighbours with ``P_i + P_j <= 1`` are never kept
+    together). A row keeps ``floor(sum P)`` or ``ceil(sum P)`` entries, with mean ``sum P``;
+    exactly ``round(sum P)`` when the sum is an integer (sums within ``1e-9`` relative of an
+    integer are snapped to it, absorbing float rounding).
+
+    Args:
+        inclusion: ``[..., t]`` probabilities in ``[0, 1]`` (e.g. ``pps_inclusion_probabilities``).
+        generator: the only source of randomness.
+
+    Returns:
+        bool ``[..., t]``.
+    """
+    if not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    if not isinstance(inclusion, torch.Tensor) or inclusion.ndim == 0 or inclusion.shape[-1] == 0:
+        raise ValueError("inclusion must be a tensor [..., t] with t >= 1")
+    P = inclusion.to(torch.float64)
+    if not torch.isfinite(P).all() or (P < 0).any() or (P > 1).any():
+        raise ValueError(
+            f"inclusion probabilities must lie in [0, 1], got range "
+            f"[{P.min().item():.6g}, {P.max().item():.6g}]"
+        )
+    take_all = P == 1.0
+    cum = torch.where(take_all, 0.0, P).cumsum(-1)
+    total = cum[..., -1:]
+    whole = total.round()
+    snap = (total - whole).abs() <= 1e-9 * whole.clamp(min=1.0)
+    cum = torch.where(snap, torch.minimum(cum, whole), cum)
+    cum[..., -1:] = torch.where(snap, whole, total)
+    u = torch.rand((*P.shape[:-1], 1), generator=generator, dtype=torch.float64, device=P.device)
+    points = torch.ceil(cum - u)  # points u + j (j >= 0) below C_i
+    before = torch.cat([torch.zeros_like(points[..., :1]), points[..., :-1]], -1)
+    return take_all | (points > before)
