@@ -48,10 +48,14 @@ class RaggedSelection:
         return self.indices[start:stop], lw
 
     @classmethod
-    def from_masks(cls, kept: torch.Tensor, log_weights: torch.Tensor | None = None) -> RaggedSelection:
+    def from_masks(
+        cls, kept: torch.Tensor, log_weights: torch.Tensor | None = None
+    ) -> RaggedSelection:
         """From a boolean mask ``[Hkv, t]`` (and optional dense log-weights ``[Hkv, t]``)."""
         if kept.ndim != 2 or kept.dtype != torch.bool:
-            raise ValueError(f"kept must be a bool mask [Hkv, t], got {kept.dtype} {tuple(kept.shape)}")
+            raise ValueError(
+                f"kept must be a bool mask [Hkv, t], got {kept.dtype} {tuple(kept.shape)}"
+            )
         heads, idx = kept.nonzero(as_tuple=True)  # row-major: head by head, indices ascending
         lengths = kept.sum(-1).to(torch.int64)
         lw = None if log_weights is None else log_weights[heads, idx].to(torch.float32)
@@ -62,7 +66,9 @@ class RaggedSelection:
         cls, per_head: list[torch.Tensor], log_weights: list[torch.Tensor] | None = None
     ) -> RaggedSelection:
         order = [torch.sort(ix.to(torch.int64)) for ix in per_head]
-        indices = torch.cat([o.values for o in order]) if order else torch.zeros(0, dtype=torch.int64)
+        indices = (
+            torch.cat([o.values for o in order]) if order else torch.zeros(0, dtype=torch.int64)
+        )
         lengths = torch.tensor([ix.numel() for ix in per_head], dtype=torch.int64)
         lw = None
         if log_weights is not None:
@@ -71,7 +77,8 @@ class RaggedSelection:
 
     def to_mask(self, t: int) -> torch.Tensor:
         """Boolean ``[Hkv, t]`` mask of kept entries (for tests and diagnostics)."""
-        heads = torch.repeat_interleave(torch.arange(self.num_heads), self.lengths)
-        mask = torch.zeros(self.num_heads, t, dtype=torch.bool)
+        device = self.indices.device
+        heads = torch.repeat_interleave(torch.arange(self.num_heads, device=device), self.lengths)
+        mask = torch.zeros(self.num_heads, t, dtype=torch.bool, device=device)
         mask[heads, self.indices] = True
         return mask
