@@ -1,0 +1,24 @@
+"""Integration with Hugging Face transformers: the evicting cache and the attention function.
+
+Only this subpackage touches transformers' internals. It uses the documented extension points:
+a ``Cache`` of cache layers (``CacheLayerMixin`` protocol) and a function registered in
+``AttentionInterface`` / ``AttentionMaskInterface`` under the name ``"probkv"``. Nothing is
+registered at import time: ``prepare_model`` registers (idempotently) and switches the model.
+Verified with transformers==5.24.0 (pinned).
+"""
+
+from probkv.hf.cache import EvictingLayer, LayerReport, ProbKVCache
+from probkv.hf.model import SUPPORTED_MODEL_TYPES, check_model_supported, prepare_model
+from probkv.hf.workflow import answer, compress, generate
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "EvictingLayer",
+    "LayerReport",
+    "ProbKVCache",
+    "answer",
+    "check_model_supported",
+    "compress",
+    "generate",
+    "prepare_model",
+]

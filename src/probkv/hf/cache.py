@@ -1,0 +1,452 @@
+"""An evicting KV cache on transformers' cache-layer protocol (SPEC S3, S4, S6).
+
+``EvictingLayer`` is one global-attention layer's cache. Before eviction it is a dense,
+growing ``[1, Hkv, T, d]`` buffer, like transformers' ``DynamicLayer``. Eviction turns what it
+holds into a *ragged, weighted prefix*: the kept entries of every KV head, flattened head after
+head into one ``[N, d]`` key tensor and one ``[N, d_v]`` value tensor (Ada-KV's layout, no
+padding to the longest head), and one float32 log-weight per kept entry (S4). Kept prefix
+entries are visible to every later query, so their positions need not be stored. Tokens that arrive after eviction go to a dense *tail*; decode attention is
+one softmax over prefix (logits ``+ log w``) and tail (no weight), see ``probkv.hf.attention``.
+
+Logical length (positions, RoPE: ``get_seq_length``) and physical length (what is stored, what
+masks must be sized by: ``get_mask_sizes``) are kept apart (S6 pitfall).
+
+``ProbKVCache`` is the ``Cache``: one ``EvictingLayer`` per global-attention layer and
+transformers' own sliding-window layers elsewhere (Gemma-3's local layers are not evicted). It
+runs the policy once every evicting layer has been observed during prefill.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import (
+    Cache,
+    CacheLayerMixin,
+    DynamicSlidingWindowLayer,
+    get_layer_types_and_kwargs,
+)
+
+from probkv.policies.base import EvictionPolicy, LayerObservation
+from probkv.selection import RaggedSelection
+
+# Tail buffers grow by this many slots at least (amortised O(1) appends during decoding,
+# instead of transformers' copy of the whole cache at every step).
+_TAIL_GROWTH = 64
+
+KWARGS_CHANNEL_KEY = "probkv_layer"
+
+
+@dataclass
+class LayerReport:
+    """What eviction did to one layer (S3 effective ratio, S6 retained mass, Kish ESS)."""
+
+    layer_idx: int
+    prefix_length: int  # t: logical entries that existed at eviction time
+    kept_per_head: list[int]
+    target_ratio: float
+    effective_ratio_per_head: list[float]
+    retained_attention_mass: list[float]  # last query's attention mass on the kept entries
+    effective_sample_size: list[float] | None  # Kish ESS of the weights; None without weights
+
+    @property
+    def effective_ratio(self) -> float:
+        kept = sum(self.kept_per_head)
+        return 1.0 - kept / (self.prefix_length * len(self.kept_per_head))
+
+    def as_dict(self) -> dict:
+        out = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        out["effective_ratio"] = self.effective_ratio
+        return out
+
+
+@dataclass
+class _Prefix:
+    """The ragged, weighted prefix of an evicted layer (flattened head after head)."""
+
+    keys: torch.Tensor  # [N, d]
+    values: torch.Tensor  # [N, d_v]
+    log_weights: torch.Tensor | None  # [N] float32, None = no correction
+    lengths: list[int]  # per KV head
+    offsets: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.offsets = [0]
+        for n in self.lengths:
+            self.offsets.append(self.offsets[-1] + n)
+
+    @property
+    def uniform_length(self) -> bool:
+        return len(set(self.lengths)) <= 1
+
+    def head(self, h: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        a, b = self.offsets[h], self.offsets[h + 1]
+        lw = None if self.log_weights is None else self.log_weights[a:b]
+        return self.keys[a:b], self.values[a:b], lw
+
+    def nbytes(self) -> int:
+        tensors = [self.keys, self.values]
+        if self.log_weights is not None:
+            tensors.append(self.log_weights)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class EvictingLayer(CacheLayerMixin):
+    """One global-attention layer's cache with eviction and decode-time correction."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(
+        self, layer_idx: int, policy: EvictionPolicy, rank: int, num_evicting: int
+    ) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.policy = policy
+        self.rank = rank  # position among the evicting layers
+        self.num_evicting = num_evicting
+        self.prefix: _Prefix | None = None
+        self.prefix_length = 0  # logical entries covered by the prefix (t at eviction)
+        self._tail_keys: torch.Tensor | None = None  # [1, Hkv, capacity, d]
+        self._tail_values: torch.Tensor | None = None
+        self.tail_length = 0
+        self.observation: LayerObservation | None = None
+        self.report: LayerReport | None = None
+        self._awaiting_attention = False
+
+    # ----------------------------------------------------------------- protocol
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.dtype = key_states.dtype
+        self.num_heads = key_states.shape[1]
+        self.is_initialized = True
+
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        *args,
+        kwargs: dict | None = None,
+        **other,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if key_states.shape[0] != 1:
+            raise ValueError(
+                f"probkv evicts caches of batch size 1 only; got batch size {key_states.shape[0]}. "
+                "Run prompts one at a time."
+            )
+        if self._awaiting_attention:
+            raise RuntimeError(
+                f"layer {self.layer_idx}: the previous forward did not run probkv's attention function; "
+                "call probkv.hf.prepare_model(model) so the model uses attn_implementation='probkv'."
+            )
+        if kwargs is None:
+            raise RuntimeError(
+                "probkv needs transformers to pass the attention kwargs to cache.update(..., kwargs=...) "
+                "(transformers==5.24.0 does); this transformers version does not."
+            )
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self._append_tail(key_states, value_states)
+        kwargs[KWARGS_CHANNEL_KEY] = self  # hand this layer to the attention function
+        self._awaiting_attention = True
+        return self.tail_keys, self.tail_values
+
+    def get_seq_length(self) -> int:
+        """Logical length: every token the layer has seen, evicted or not (positions, RoPE)."""
+        return self.prefix_length + self.tail_length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """Physical sizes: what the attention actually sees after this update (S6 pitfall).
+        probkv's attention function builds the masks of evicting layers itself from these."""
+        return self.physical_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.__init__(self.layer_idx, self.policy, self.rank, self.num_evicting)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` tokens of the tail (never the evicted prefix)."""
+        if tokens_to_remove > 0 or -tokens_to_remove > self.tail_length:
+            raise ValueError(
+                f"crop takes a negative count of at most the {self.tail_length} tokens added since "
+                f"eviction; got {tokens_to_remove}"
+            )
+        self.tail_length += tokens_to_remove
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise ValueError("probkv caches hold batch size 1 and do not support beam search")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if repeats != 1:
+            raise ValueError(
+                f"probkv caches hold batch size 1; num_return_sequences/num_beams > 1 (got {repeats}) "
+                "is not supported"
+            )
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if indices.numel() != 1:
+            raise ValueError("probkv caches hold batch size 1")
+
+    # ------------------------------------------------------------------ storage
+    @property
+    def tail_keys(self) -> torch.Tensor:
+        return self._tail_keys[:, :, : self.tail_length]
+
+    @property
+    def tail_values(self) -> torch.Tensor:
+        return self._tail_values[:, :, : self.tail_length]
+
+    def _append_tail(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        n = key_states.shape[2]
+        need = self.tail_length + n
+        capacity = 0 if self._tail_keys is None else self._tail_keys.shape[2]
+        if need > capacity:
+            # The first (prefill) chunk is stored exactly; later appends grow geometrically.
+            new_cap = need if self.tail_length == 0 else need + max(_TAIL_GROWTH, capacity // 8)
+            self._tail_keys = self._grow(self._tail_keys, key_states, new_cap)
+            self._tail_values = self._grow(self._tail_values, value_states, new_cap)
+        self._tail_keys[:, :, self.tail_length : need] = key_states
+        self._tail_values[:, :, self.tail_length : need] = value_states
+        self.tail_length = need
+
+    def _grow(self, old: torch.Tensor | None, like: torch.Tensor, capacity: int) -> torch.Tensor:
+        shape = (1, like.shape[1], capacity, like.shape[3])
+        new = like.new_empty(shape)
+        if old is not None and self.tail_length:
+            new[:, :, : self.tail_length] = old[:, :, : self.tail_length]
+        return new
+
+    def physical_length(self, head: int | None = None) -> int:
+        """Entries stored for one KV head (or the longest head)."""
+        if self.prefix is None:
+            return self.tail_length
+        lengths = self.prefix.lengths if head is None else [self.prefix.lengths[head]]
+        return max(lengths) + self.tail_length
+
+    def nbytes(self) -> int:
+        """Bytes held by this layer: prefix (keys, values, log-weights) plus the
+        allocated tail buffer (capacity, not just length)."""
+        total = 0 if self.prefix is None else self.prefix.nbytes()
+        for t in (self._tail_keys, self._tail_values):
+            if t is not None:
+                total += t.numel() * t.element_size()
+        return total
+
+    # ----------------------------------------------------------------- eviction
+    @property
+    def is_evicted(self) -> bool:
+        return self.prefix is not None
+
+    def evict(self, selection: RaggedSelection) -> None:
+        """Keep ``selection`` of the entries this layer holds now, compose log-weights (S4).
+
+        Indices of head ``h`` refer to its current entries in order: its prefix entries (if
+        this layer was evicted before), then every tail entry. Tail entries carry no weight;
+        prefix entries keep theirs and the new ones add (a second eviction multiplies weights).
+        """
+        if not self.is_initialized:
+            raise ValueError(f"layer {self.layer_idx} holds nothing to evict")
+        if selection.num_heads != self.num_heads:
+            raise ValueError(
+                f"selection has {selection.num_heads} heads, layer {self.layer_idx} has {self.num_heads}"
+            )
+        old = self.prefix
+        current = [(old.lengths[h] if old else 0) + self.tail_length for h in range(self.num_heads)]
+        keys, values, logw = [], [], []
+        for h in range(self.num_heads):
+            idx, new_lw = selection.head(h)
+            if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= current[h]):
+                raise ValueError(
+                    f"selection for head {h} of layer {self.layer_idx} has indices outside [0, {current[h]})"
+                )
+            k_h, v_h, lw_h = self._current_entries(h)
+            idx = idx.to(self.device)
+            keys.append(k_h.index_select(0, idx))
+            values.append(v_h.index_select(0, idx))
+            combined = None
+            if lw_h is not None:
+                combined = lw_h.index_select(0, idx)
+            if new_lw is not None:
+                new_lw = new_lw.to(device=self.device, dtype=torch.float32)
+                combined = new_lw if combined is None else combined + new_lw  # S4 composition
+            logw.append(combined)
+        has_weights = any(w is not None for w in logw)
+        log_weights = None
+        if has_weights:
+            log_weights = torch.cat(
+                [
+                    w if w is not None else torch.zeros(k.shape[0], device=self.device)
+                    for w, k in zip(logw, keys)
+                ]
+            )
+            if not torch.isfinite(log_weights).all():
+                raise ValueError(f"layer {self.layer_idx}: selection has non-finite log-weights")
+        self.prefix = _Prefix(
+            keys=torch.cat(keys).contiguous(),
+            values=torch.cat(values).contiguous(),
+            log_weights=log_weights,
+            lengths=[int(k.shape[0]) for k in keys],
+        )
+        self.prefix_length = self.get_seq_length()
+        # Free the dense buffer; the next token allocates a small tail.
+        self._tail_keys = self._tail_keys[:, :, :0].clone()
+        self._tail_values = self._tail_values[:, :, :0].clone()
+        self.tail_length = 0
+
+    def _current_entries(self, h: int):
+        """Head ``h``'s entries in selection order: prefix first, then the tail."""
+        tail_k = self.tail_keys[0, h]
+        tail_v = self.tail_values[0, h]
+        if self.prefix is None:
+            return tail_k, tail_v, None
+        k, v, lw = self.prefix.head(h)
+        if lw is not None:
+            lw = torch.cat([lw, torch.zeros(self.tail_length, device=self.device)])
+        return torch.cat([k, tail_k]), torch.cat([v, tail_v]), lw
+
+
+class ProbKVCache(Cache):
+    """A ``transformers.Cache`` that evicts with a probkv policy after prefill.
+
+    Build it for a model prepared with ``probkv.hf.prepare_model`` and pass it to ``generate``
+    (``cache=...``) or to a forward loop. The first forward (the prompt) is observed: the
+    attention function computes each layer's output and the statistics the policy needs from
+    the real post-RoPE queries, keys and values. Eviction runs as soon as every evicting layer
+    has been observed, at the start of the next forward, or when ``evict()`` is called. Layers
+    of policies that decide each layer on its own (per-head scope) are evicted right after their
+    prefill attention, so the full cache of all layers never exists at once.
+    """
+
+    def __init__(self, config, policy: EvictionPolicy) -> None:
+        text_config = config.get_text_config(decoder=True)
+        layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
+        num_evicting = layer_types.count("full_attention")
+        layers: list[CacheLayerMixin] = []
+        for i, (kind, kw) in enumerate(zip(layer_types, layer_kwargs)):
+            if kind == "full_attention":
+                rank = layer_types[:i].count("full_attention")
+                layers.append(EvictingLayer(i, policy, rank, num_evicting))
+            elif kind == "sliding_attention":
+                layers.append(DynamicSlidingWindowLayer(**kw))
+            else:
+                raise ValueError(
+                    f"layer {i} has type {kind!r}; probkv supports 'full_attention' (evicted) and "
+                    "'sliding_attention' (kept as is) layers"
+                )
+        if not any(isinstance(layer, EvictingLayer) for layer in layers):
+            raise ValueError(
+                "this model has no global-attention layer to evict (every layer uses a sliding window)"
+            )
+        super().__init__(layers=layers)
+        self.policy = policy
+        self.evicting_layers = [
+            i for i, layer in enumerate(layers) if isinstance(layer, EvictingLayer)
+        ]
+        self.num_evictions = 0
+
+    # ---------------------------------------------------------------- protocol
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        # A new forward starts at layer 0: evict first if prefill left a global decision pending.
+        if layer_idx == 0 and self.eviction_pending:
+            self.evict()
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        # Any evicting layer gives the logical length; sliding layers count tokens too.
+        return self.layers[self.evicting_layers[0]].get_seq_length()
+
+    # ---------------------------------------------------------------- eviction
+    @property
+    def eviction_pending(self) -> bool:
+        """Every evicting layer observed its prefill and waits for the policy (global scope)."""
+        layers = [self.layers[i] for i in self.evicting_layers]
+        return all(layer.observation is not None for layer in layers) and not all(
+            layer.is_evicted for layer in layers
+        )
+
+    def evict(self) -> None:
+        """Run the policy on every observed layer and evict them (S3 global scope)."""
+        layers = [self.layers[i] for i in self.evicting_layers]
+        missing = [layer.layer_idx for layer in layers if layer.observation is None]
+        if missing:
+            raise ValueError(
+                f"cannot evict before prefill: layers {missing} have not been observed"
+            )
+        todo = [layer for layer in layers if not layer.is_evicted]
+        observations = [layer.observation for layer in todo]
+        selections = self.policy.select(observations, num_layers=len(self.evicting_layers))
+        for layer, selection in zip(todo, selections):
+            apply_selection(layer, selection, self.policy)
+        self.num_evictions += 1
+
+    def rewind(self) -> None:
+        """Drop every token added after eviction, back to the compressed state (question-
+        agnostic workflow: each question starts from the same compressed context)."""
+        for layer in self.layers:
+            if isinstance(layer, EvictingLayer):
+                if not layer.is_evicted:
+                    raise ValueError("rewind() needs an evicted cache; compress the context first")
+                layer.tail_length = 0
+            else:
+                raise ValueError(
+                    "rewind() is not available for models with sliding-window layers; "
+                    "use copy.deepcopy(cache) before each question instead"
+                )
+
+    def copy(self) -> ProbKVCache:
+        return copy.deepcopy(self)
+
+    # ------------------------------------------------------------- diagnostics
+    def reports(self) -> list[LayerReport]:
+        return [
+            self.layers[i].report for i in self.evicting_layers if self.layers[i].report is not None
+        ]
+
+    def nbytes(self) -> int:
+        total = 0
+        for layer in self.layers:
+            if isinstance(layer, EvictingLayer):
+                total += layer.nbytes()
+            elif layer.is_initialized:
+                total += layer.keys.numel() * layer.keys.element_size() * 2
+        return total
+
+    def effective_ratio(self) -> float:
+        """Mean over evicting layers and heads of the fraction of prefix entries evicted."""
+        reports = self.reports()
+        if not reports:
+            return 0.0
+        return sum(r.effective_ratio for r in reports) / len(reports)
+
+
+def apply_selection(
+    layer: EvictingLayer, selection: RaggedSelection, policy: EvictionPolicy
+) -> None:
+    """Evict ``layer`` to ``selection`` and record its diagnostics (S3, S6, S4)."""
+    obs = layer.observation
+    t = layer.get_seq_length()
+    layer.evict(selection)
+    kept = [int(n) for n in selection.lengths]
+    mass = []
+    ess = [] if selection.log_weights is not None else None
+    for h in range(selection.num_heads):
+        idx, lw = selection.head(h)
+        mass.append(float(obs.last_query_attention[h, idx].sum()))
+        if ess is not None:
+            w = torch.exp(lw.double() - lw.double().max())
+            ess.append(float(w.sum() ** 2 / (w * w).sum()) if w.numel() else 0.0)
+    layer.report = LayerReport(
+        layer_idx=layer.layer_idx,
+        prefix_length=t,
+        kept_per_head=kept,
+        target_ratio=policy.ratio,
+        effective_ratio_per_head=[1.0 - k / t for k in kept],
+        retained_attention_mass=mass,
+        effective_sample_size=ess,
+    )
+    layer.observation = None

@@ -1,0 +1,70 @@
+"""Which models probkv supports, and switching a model to probkv's attention function."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from probkv.hf.attention import ATTN_IMPLEMENTATION, probkv_attention_forward, probkv_mask
+
+# model_type -> what probkv evicts. Gemma-3 keeps its sliding-window (local) layers as they are.
+SUPPORTED_MODEL_TYPES = {
+    "llama": "all layers",
+    "mistral": "all layers (sliding_window must be None)",
+    "qwen2": "global-attention layers",
+    "qwen3": "global-attention layers (QK-norm)",
+    "gemma3_text": "global-attention layers; sliding-window layers are kept",
+}
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def check_model_supported(model) -> None:
+    """Refuse, by name, any model probkv has not been verified on."""
+    config = model.config
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"probkv does not support model type {model_type!r} ({type(model).__name__}); "
+            f"supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}"
+        )
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        raise ValueError(
+            f"{model_type} with attn_logit_softcapping={config.attn_logit_softcapping} is not supported"
+        )
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ValueError(f"{model_type} with use_bidirectional_attention=True is not supported")
+    layer_types = getattr(config, "layer_types", None)
+    sliding = getattr(config, "sliding_window", None)
+    if model_type == "mistral" and sliding is not None:
+        raise ValueError(
+            f"mistral with sliding_window={sliding}: every layer uses a sliding window, so there is "
+            "no global-attention layer to evict"
+        )
+    if layer_types is not None and "full_attention" not in layer_types:
+        raise ValueError(f"{model_type}: no global-attention layer in layer_types={layer_types}")
+    if model.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"model dtype {model.dtype} is not supported; use float32 or bfloat16")
+
+
+def register_attention() -> None:
+    """Register the ``"probkv"`` attention and mask functions (idempotent)."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, probkv_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, probkv_mask)
+
+
+def prepare_model(model):
+    """Check ``model`` is supported and switch it to ``attn_implementation="probkv"``.
+
+    With a plain cache (or none) the model then computes exactly what SDPA computes; with a
+    ``ProbKVCache`` its global-attention layers are evicted and corrected. Returns the model.
+    """
+    check_model_supported(model)
+    register_attention()
+    if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    return model
+
+
+def is_prepared(model) -> bool:
+    return model.config._attn_implementation == ATTN_IMPLEMENTATION

@@ -1,0 +1,99 @@
+"""The context / question workflow the paper evaluates (SPEC S7), and generation helpers.
+
+Question-agnostic: ``compress`` prefills the context alone and evicts, before any question is
+seen; ``answer`` then answers each question from that same compressed state. Question-aware:
+put the question inside the prompt given to ``compress`` (or just call ``generate``).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from probkv.hf.cache import EvictingLayer, ProbKVCache
+from probkv.hf.model import is_prepared
+from probkv.policies.base import EvictionPolicy
+
+
+def _as_ids(ids: torch.Tensor) -> torch.Tensor:
+    if ids.ndim == 1:
+        ids = ids.unsqueeze(0)
+    if ids.ndim != 2 or ids.shape[0] != 1:
+        raise ValueError(
+            f"expected token ids of shape [t] or [1, t] (batch size 1), got {tuple(ids.shape)}"
+        )
+    if ids.shape[1] == 0:
+        raise ValueError("expected at least one token")
+    return ids
+
+
+def _check_prepared(model) -> None:
+    if not is_prepared(model):
+        raise ValueError(
+            "the model is not prepared for probkv: call probkv.hf.prepare_model(model) first "
+            f"(its attn_implementation is {model.config._attn_implementation!r})"
+        )
+
+
+@torch.no_grad()
+def compress(model, context_ids: torch.Tensor, policy: EvictionPolicy) -> ProbKVCache:
+    """Prefill ``context_ids`` into a new ``ProbKVCache`` and evict with ``policy``.
+
+    Returns the compressed cache; it remembers the context ids (``cache.token_ids``) so that
+    generation can continue from it with true positions.
+    """
+    _check_prepared(model)
+    ids = _as_ids(context_ids).to(model.device)
+    cache = ProbKVCache(model.config, policy)
+    model(input_ids=ids, cache=cache, use_cache=True)
+    if cache.eviction_pending:
+        cache.evict()
+    cache.token_ids = ids
+    return cache
+
+
+@torch.no_grad()
+def generate(
+    model, cache: ProbKVCache, input_ids: torch.Tensor, *, max_new_tokens: int, **generate_kwargs
+) -> torch.Tensor:
+    """Continue from a compressed ``cache`` with the new tokens ``input_ids`` (e.g. a question):
+    greedy by default. Returns the generated token ids only, ``[n]``. The cache grows by the
+    new tokens (see ``answer`` for several questions from one context)."""
+    _check_prepared(model)
+    new = _as_ids(input_ids).to(model.device)
+    prefix = getattr(cache, "token_ids", None)
+    if prefix is None or prefix.shape[1] != cache.get_seq_length():
+        raise ValueError(
+            "the cache does not know the token ids it holds (build it with probkv.hf.compress, "
+            "or rewind it to the compressed state)"
+        )
+    full = torch.cat([prefix, new], dim=1)
+    generate_kwargs.setdefault("do_sample", False)
+    out = model.generate(
+        input_ids=full,
+        attention_mask=torch.ones_like(full),
+        cache=cache,
+        max_new_tokens=max_new_tokens,
+        **generate_kwargs,
+    )
+    return out[0, full.shape[1] :]
+
+
+def answer(
+    model, compressed: ProbKVCache, question_ids: torch.Tensor, *, max_new_tokens: int, **kw
+):
+    """Answer one question from the compressed context, leaving ``compressed`` unchanged, so
+    every question starts from the same compressed state and never sees another question."""
+    only_evicting = all(isinstance(layer, EvictingLayer) for layer in compressed.layers)
+    if only_evicting:
+        length = compressed.get_seq_length()
+        try:
+            return generate(model, compressed, question_ids, max_new_tokens=max_new_tokens, **kw)
+        finally:
+            extra = compressed.get_seq_length() - length
+            if extra:
+                compressed.crop(-extra)
+    working = copy.deepcopy(compressed)  # sliding-window layers cannot be rewound
+    working.token_ids = compressed.token_ids
+    return generate(model, working, question_ids, max_new_tokens=max_new_tokens, **kw)
