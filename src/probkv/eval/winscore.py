@@ -1,0 +1,165 @@
+"""Win score and average total score (SPEC S7; paper Section 7).
+
+A score table holds one score in [0, 1] per (task, example, method)::
+
+    table[task][example_id][method] = score
+
+(:func:`score_table` builds it from result rows). Every example must be scored for the same
+set of methods.
+
+**Win score.** For each example the ``n`` methods are ranked by score, 0 = worst and
+``n - 1`` = best. The paper: "If multiple methods achieve the same score, they are all given
+the rank corresponding to a win against the other tied methods." So a tie counts as a win
+for each of the tied methods, and a method's rank is the number of *other* methods whose
+score is lower than or equal to its own: ``rank(m) = #{m' != m : s(m') <= s(m)}``. Scores
+``[1, 1, 0]`` give ranks ``[2, 2, 0]`` (not ``[1, 1, 0]``), and a row where all methods tie
+gives every method ``n - 1``. This is what makes the paper's win-score curves rise at extreme
+compression ("ties are also rewarded"), where all methods fail alike. Ranks are averaged over
+the examples of each task, then over tasks (each task counts equally), and divided by
+``n - 1`` into [0, 1]. Ties are exact float equality (scores of identical predictions are
+identical floats).
+
+**Average total score.** Split (task) averages weighted by each split's share of the
+examples, ``sum_s (N_s / N) * mean_s`` (which equals the mean over all examples).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+ScoreTable = Mapping[str, Mapping[str, Mapping[str, float]]]
+
+
+def _check_score(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"score of {where} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _check_table(table: ScoreTable) -> tuple[str, ...]:
+    """Validate the table; return the (sorted) method names shared by every example."""
+    if not isinstance(table, Mapping) or not table:
+        raise ValueError(
+            "score table must be a non-empty mapping task -> example -> method -> score"
+        )
+    methods: tuple[str, ...] | None = None
+    for task, examples in table.items():
+        if not isinstance(examples, Mapping) or not examples:
+            raise ValueError(f"task {task!r} has no examples in the score table")
+        for example, scores in examples.items():
+            if not isinstance(scores, Mapping):
+                raise ValueError(
+                    f"scores of task {task!r}, example {example!r} must be a mapping method -> score"
+                )
+            for method, value in scores.items():
+                _check_score(value, f"task {task!r}, example {example!r}, method {method!r}")
+            names = tuple(sorted(scores))
+            if methods is None:
+                methods = names
+            elif names != methods:
+                missing = sorted(set(methods) - set(names))
+                extra = sorted(set(names) - set(methods))
+                raise ValueError(
+                    f"task {task!r}, example {example!r} is scored for different methods than the "
+                    f"rest of the table (missing {missing}, extra {extra}); every example needs "
+                    "the same methods"
+                )
+    return methods or ()
+
+
+def example_ranks(scores: Mapping[str, float]) -> dict[str, int]:
+    """Ranks of the methods on one example: ``#{other methods with score <= own score}``
+    (0 = worst, ``n - 1`` = best; ties count as wins for every tied method, SPEC S7)."""
+    values = {m: _check_score(s, f"method {m!r}") for m, s in scores.items()}
+    return {
+        m: sum(1 for other, s in values.items() if other != m and s <= v) for m, v in values.items()
+    }
+
+
+def win_scores_per_task(table: ScoreTable) -> dict[str, dict[str, float]]:
+    """Per task, each method's mean rank over the task's examples divided by ``n - 1``."""
+    methods = _check_table(table)
+    n = len(methods)
+    if n < 2:
+        raise ValueError(f"a win score needs at least 2 methods, got {list(methods)}")
+    out: dict[str, dict[str, float]] = {}
+    for task, examples in table.items():
+        totals = dict.fromkeys(methods, 0.0)
+        for scores in examples.values():
+            for method, rank in example_ranks(scores).items():
+                totals[method] += rank
+        out[task] = {m: totals[m] / len(examples) / (n - 1) for m in methods}
+    return out
+
+
+def win_scores(table: ScoreTable) -> dict[str, float]:
+    """The win score of each method in [0, 1]: per-task normalised mean ranks, averaged over
+    tasks with equal weight (SPEC S7)."""
+    per_task = win_scores_per_task(table)
+    methods = next(iter(per_task.values())).keys()
+    return {m: sum(task[m] for task in per_task.values()) / len(per_task) for m in methods}
+
+
+def task_averages(table: ScoreTable) -> dict[str, dict[str, float]]:
+    """Mean score per task and method."""
+    methods = _check_table(table)
+    return {
+        task: {m: sum(s[m] for s in examples.values()) / len(examples) for m in methods}
+        for task, examples in table.items()
+    }
+
+
+def average_total_score(split_scores: Mapping[str, Sequence[float]]) -> float:
+    """One method's average total score: split averages weighted by each split's share of the
+    examples, ``sum_s (N_s / N) mean_s`` (SPEC S7). ``split_scores`` maps split -> scores."""
+    if not isinstance(split_scores, Mapping) or not split_scores:
+        raise ValueError("split_scores must be a non-empty mapping split -> list of scores")
+    for split, scores in split_scores.items():
+        if isinstance(scores, (str, bytes)) or not isinstance(scores, Sequence) or len(scores) == 0:
+            raise ValueError(
+                f"split {split!r} must have a non-empty list of scores, got {scores!r}"
+            )
+        for value in scores:
+            _check_score(value, f"split {split!r}")
+    total = sum(len(s) for s in split_scores.values())
+    return sum(len(s) / total * (sum(s) / len(s)) for s in split_scores.values())
+
+
+def average_total_scores(table: ScoreTable) -> dict[str, float]:
+    """The average total score of every method of a score table (splits = tasks)."""
+    methods = _check_table(table)
+    return {
+        m: average_total_score({task: [s[m] for s in ex.values()] for task, ex in table.items()})
+        for m in methods
+    }
+
+
+def score_table(
+    rows: Iterable[Mapping[str, Any]],
+    *,
+    task_key: str = "task",
+    example_key: str = "id",
+    method_key: str = "method",
+    score_key: str = "score",
+) -> dict[str, dict[str, dict[str, float]]]:
+    """Build a score table from result rows (e.g. the runner's ``results.jsonl`` for one
+    ratio). A repeated (task, example, method) raises ValueError."""
+    table: dict[str, dict[str, dict[str, float]]] = {}
+    for i, row in enumerate(rows):
+        try:
+            task, example, method = row[task_key], row[example_key], row[method_key]
+            value = row[score_key]
+        except (KeyError, TypeError):
+            raise ValueError(
+                f"row {i} must have the keys {task_key!r}, {example_key!r}, {method_key!r}, "
+                f"{score_key!r}, got {row!r}"
+            ) from None
+        scores = table.setdefault(task, {}).setdefault(example, {})
+        if method in scores:
+            raise ValueError(
+                f"row {i}: duplicate score for task {task!r}, example {example!r}, method {method!r}"
+            )
+        scores[method] = _check_score(value, f"row {i}")
+    return table
