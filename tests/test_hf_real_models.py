@@ -49,7 +49,9 @@ def test_smollm2_answers_two_questions_from_one_compressed_context(smollm2, sdpa
     model, tokenizer = smollm2
     sdpa_after(model)
     prepare_model(model)
-    ids = chat_prompt_ids(tokenizer, STORY * 3 + "Answer in one short sentence. How many herons did Mira see?")
+    ids = chat_prompt_ids(
+        tokenizer, STORY * 3 + "Answer in one short sentence. How many herons did Mira see?"
+    )
     split = ids.shape[1] - 12  # the last tokens (question and assistant header) come after
     context, question = ids[:, :split], ids[:, split:]
     compressed = compress(model, context, parse_method("prob:min-h", ratio=0.5))
@@ -81,7 +83,9 @@ def test_gemma3_evicts_only_global_layers_and_matches_at_ratio_zero(gemma3, sdpa
     for i, kind in enumerate(layer_types):
         if kind == "sliding_attention":  # kept as transformers keeps it (float32 rounding aside:
             # earlier global layers' prefill went through probkv's chunked kernel)
-            torch.testing.assert_close(cache.layers[i].keys, full.layers[i].keys, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(
+                cache.layers[i].keys, full.layers[i].keys, rtol=1e-4, atol=1e-4
+            )
         else:
             assert i in cache.evicting_layers
             assert cache.layers[i].physical_length() < ids.shape[1]

@@ -398,7 +398,7 @@ def test_bad_input_raises_value_error():
 
 
 def test_validate_params_and_param_names():
-    assert score_param_names("snapkv") == ("window", "kernel", "pooling", "alpha")
+    assert score_param_names("snapkv") == ("window", "kernel", "pooling", "gqa", "alpha")
     assert score_param_names("min-h") == ("alpha", "chunk_size")
     assert score_param_names("streaming_llm") == ("sinks",)
     validate_params("snapkv", {"window": 8, "kernel": 5, "pooling": "avg"})

@@ -10,6 +10,8 @@ group (``probkv.proposals.group_mixture``: uniform ``alpha`` unless given, S2), 
 (``probkv.proposals.with_floor``: every entry at least ``FLOOR / t`` before renormalising)
 and logged; at ``tau = 1`` their proposal is exactly that floored mixture. A query head
 whose score has no mass at all (e.g. ``min`` with all-zero values) counts as uniform.
+(``snapkv(gqa="mean")`` instead averages the raw scores of the group, as SnapKV's
+reference implementations do; see ``snapkv``.)
 
 ``forced`` marks entries a method keeps outside its budget competition (SnapKV's
 observation window, S6): they count against the budget, and in the probabilistic variant
@@ -35,7 +37,7 @@ from probkv.attention import (
     harmonic_row_weights,
     uniform_row_weights,
 )
-from probkv.proposals import group_mixture, with_floor
+from probkv.proposals import FLOOR, group_mixture, with_floor
 
 SCORE_NAMES: tuple[str, ...] = (
     "h2o",
@@ -48,6 +50,9 @@ SCORE_NAMES: tuple[str, ...] = (
     "streaming_llm",
     "uniform",
 )
+
+# How snapkv combines the query heads of a GQA group (see snapkv).
+SNAPKV_GQA: tuple[str, ...] = ("mixture", "mean")
 
 # Log-score of a forced entry: log 2 exceeds every log-probability (<= 0), so even a plain
 # top-k that ignores ``forced`` ranks the forced entries first.
@@ -237,6 +242,23 @@ def min_variance_harmonic(
     return Scores(_group_log_scores(per_head, key.shape[0], alpha))
 
 
+def _group_mean(
+    per_query_head: torch.Tensor, num_kv_heads: int, alpha: torch.Tensor | None
+) -> torch.Tensor:
+    """``[Hkv, n]`` float64: the ``alpha``-weighted mean of the *raw* per-query-head scores of
+    each GQA group (no per-head normalisation; uniform weights ``1 / g`` by default)."""
+    hq, n = per_query_head.shape
+    g = hq // num_kv_heads
+    x = per_query_head.to(torch.float64).view(num_kv_heads, g, n)
+    if alpha is None:
+        return x.mean(1)
+    # group_mixture of one-hot rows returns the group weights [Hkv, g], validated and
+    # normalised within each group exactly as for the mixture.
+    one_hot = torch.eye(g, dtype=torch.float64, device=x.device).repeat(num_kv_heads, 1)
+    weights = group_mixture(one_hot, num_kv_heads, alpha).to(torch.float64)
+    return (weights.unsqueeze(-1) * x).sum(1)
+
+
 def snapkv(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -245,6 +267,7 @@ def snapkv(
     window: int = 32,
     kernel: int = 7,
     pooling: Literal["max", "avg"] = "max",
+    gqa: Literal["mixture", "mean"] = "mixture",
     alpha: torch.Tensor | None = None,
 ) -> Scores:
     """SnapKV (S6): pooled attention of the observation window to the prefix; window forced.
@@ -254,24 +277,36 @@ def snapkv(
     ``j + 1`` visible keys, window keys included) restricted to the prefix columns
     ``0..t-w-1`` and averaged over the window rows; then a 1-D pooling of size ``kernel``
     (odd), stride 1, ``kernel // 2`` padding on each side (max: padding never wins; avg:
-    zero padding counted in the mean, as ``avg_pool1d``); then normalised over the prefix,
-    mixed within the GQA group (``alpha``) and floored. The window's own ``w`` entries
-    are ``forced`` (kept always, counted against the budget) with log-score
-    ``FORCED_LOG_SCORE``; if ``t <= window`` every entry is forced.
+    zero padding counted in the mean, as ``avg_pool1d``). The query heads of a GQA group
+    are then combined (weights ``alpha``, uniform by default) in one of two ways:
 
-    Where the references differ (probkv's choice last):
-      - The SnapKV paper sums over the window, kvpress and others average: same ranking.
-      - Window columns: the paper, its reference code and kvpress all score only the
-        prefix, softmax over the full row, no renormalisation; so do we.
-      - Pooling defaults: the reference code's default is avg-pooling with kernel 5
-        (window 32), kvpress uses avg, kernel 5, window 64; the SPEC (S6) default is
-        max-pooling with kernel 7, window 32, which probkv follows.
-      - GQA: the reference code scores every query head separately (it needs repeated
-        keys); kvpress pools per query head and then averages the raw pooled scores of
-        the group. probkv pools per query head, normalises each head's pooled scores to a
-        distribution and then averages (S2's group mixture of normalised distributions):
-        this differs from kvpress only in how heads whose window looks mostly at itself
-        are weighted; with ``g = 1`` the ranking is the same.
+    - ``gqa="mixture"`` (S2's group mixture): each query head's pooled scores are first
+      normalised into a distribution over the prefix; the KV head's log-scores are the log of
+      the floored mixture, a distribution over the prefix.
+    - ``gqa="mean"`` (SnapKV's GQA form in kvpress and in Ada-KV's reference code): the
+      *raw* pooled scores are averaged, with no normalisation, so every KV head keeps its
+      window's attention mass on the prefix. This is the scale on which Ada-KV compares heads
+      (the retained attention mass of its bound, S6): a head whose window attends mostly to
+      itself has little prefix mass and competes with low scores. Entries are floored at
+      ``FLOOR / (t - w)`` (attention that underflowed) before the log.
+
+    The window's own ``w`` entries are ``forced`` (kept always, counted against the budget)
+    with log-score ``FORCED_LOG_SCORE``; if ``t <= window`` every entry is forced. With
+    ``g = 1`` both ``gqa`` forms rank a head's entries identically.
+
+    Where the references differ (probkv's choice last; docs/methods.md has the full table):
+      - The SnapKV reference code sums over the window, Ada-KV and kvpress average: same
+        ranking, and for ``gqa="mean"`` the same cross-head comparison up to a common factor.
+      - Window columns: the paper's code, Ada-KV's and kvpress all score only the prefix,
+        softmax over the full causal row, no renormalisation; so do we.
+      - Defaults: the SnapKV reference code uses avg-pooling, kernel 5, window 32; kvpress
+        avg, kernel 5, window 64; Ada-KV max-pooling, kernel 7, window 32. probkv follows
+        the SPEC (S6): max, kernel 7, window 32.
+      - GQA: the SnapKV reference code scores every query head on its own (repeated keys, no
+        GQA support); kvpress and Ada-KV average the raw pooled scores of the group
+        (``"mean"``, what probkv's SnapKV policies use). ``"mixture"`` (this function's
+        default, the S2 contract of every attention score) differs only in how query heads
+        whose window looks mostly at itself are weighted.
     """
     _check_layer(query, key, None)
     check_positive_int(window, "window")
@@ -279,6 +314,7 @@ def snapkv(
     if kernel % 2 == 0:
         raise ValueError(f"kernel must be odd (centred pooling keeps the length), got {kernel}")
     check_choice(pooling, ("max", "avg"), "pooling")
+    check_choice(gqa, SNAPKV_GQA, "gqa")
     hkv, t = key.shape[:2]
     w = min(window, t)
     prefix = t - w
@@ -293,7 +329,11 @@ def snapkv(
     observed = rows[..., :prefix].mean(1, dtype=torch.float64)  # [Hq, prefix]
     pool = F.max_pool1d if pooling == "max" else F.avg_pool1d
     pooled = pool(observed[:, None, :], kernel_size=kernel, stride=1, padding=kernel // 2)[:, 0]
-    log_scores[:, :prefix] = _group_log_scores(pooled, hkv, alpha)
+    if gqa == "mixture":
+        log_scores[:, :prefix] = _group_log_scores(pooled, hkv, alpha)
+    else:
+        mean = _group_mean(pooled, hkv, alpha).clamp_min(FLOOR / prefix)
+        log_scores[:, :prefix] = torch.log(mean).to(torch.float32)
     return Scores(log_scores, forced)
 
 
@@ -368,7 +408,7 @@ _PARAMS: dict[str, tuple[str, ...]] = {
     "h2o-h": ("alpha",),
     "min": ("alpha",),
     "min-h": ("alpha",),
-    "snapkv": ("window", "kernel", "pooling", "alpha"),
+    "snapkv": ("window", "kernel", "pooling", "gqa", "alpha"),
     "tova": (),
     "knorm": (),
     "streaming_llm": ("sinks",),
@@ -385,8 +425,8 @@ def column_sums_needed(name: str) -> Literal["uniform", "harmonic"] | None:
 
 def score_param_names(name: str) -> tuple[str, ...]:
     """Keyword parameters score ``name`` accepts in ``compute_scores(..., **params)``:
-    ``alpha`` (attention scores), ``window``/``kernel``/``pooling`` (``snapkv``), ``sinks``
-    (``streaming_llm``), and ``chunk_size`` for the scores that need column sums."""
+    ``alpha`` (attention scores), ``window``/``kernel``/``pooling``/``gqa`` (``snapkv``),
+    ``sinks`` (``streaming_llm``), and ``chunk_size`` for the scores that need column sums."""
     check_choice(name, SCORE_NAMES, "name")
     return (*_PARAMS[name], "chunk_size") if name in _COLUMN_SUMS else _PARAMS[name]
 
@@ -407,6 +447,8 @@ def validate_params(name: str, params: dict[str, object]) -> None:
             raise ValueError(f"kernel must be odd (centred pooling keeps the length), got {kernel}")
     if "pooling" in params:
         check_choice(params["pooling"], ("max", "avg"), "pooling")
+    if "gqa" in params:
+        check_choice(params["gqa"], SNAPKV_GQA, "gqa")
     if "sinks" in params:
         check_positive_int(params["sinks"], "sinks", allow_zero=True)
     if params.get("chunk_size") is not None:
@@ -438,7 +480,7 @@ def compute_scores(
         chunk_size: rows per chunk when the column sums are computed here (ignored by
             scores that need no column sums).
         params: per score: ``alpha`` (GQA weights, attention scores), ``window``,
-            ``kernel``, ``pooling`` (``snapkv``), ``sinks`` (``streaming_llm``).
+            ``kernel``, ``pooling``, ``gqa`` (``snapkv``), ``sinks`` (``streaming_llm``).
     """
     check_choice(name, SCORE_NAMES, "name")
     validate_params(name, params)

@@ -34,7 +34,7 @@ from probkv.selection import RaggedSelection
 
 # Tail buffers grow by this many slots at least (amortised O(1) appends during decoding,
 # instead of transformers' copy of the whole cache at every step).
-_TAIL_GROWTH = 64
+_TAIL_GROWTH = 16
 
 KWARGS_CHANNEL_KEY = "probkv_layer"
 

@@ -1,11 +1,18 @@
 """Eviction methods as small declarative objects, and the registry of their names."""
 
-from probkv.policies.base import EvictionPolicy, LayerObservation
+from probkv.policies.base import DEFAULT_SCORE_PARAMS, EvictionPolicy, LayerObservation
 from probkv.policies.probabilistic import ProbabilisticPolicy
-from probkv.policies.registry import FullCache, method_name, method_names, parse_method
+from probkv.policies.registry import (
+    FullCache,
+    method_name,
+    method_names,
+    method_options,
+    parse_method,
+)
 from probkv.policies.topk import TopKPolicy
 
 __all__ = [
+    "DEFAULT_SCORE_PARAMS",
     "EvictionPolicy",
     "FullCache",
     "LayerObservation",
@@ -13,5 +20,6 @@ __all__ = [
     "TopKPolicy",
     "method_name",
     "method_names",
+    "method_options",
     "parse_method",
 ]

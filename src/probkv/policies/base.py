@@ -5,10 +5,16 @@ evicting layer, the log-scores the policy names (``score`` with ``score_params``
 post-RoPE queries, keys and values; see ``probkv.scores``) and hands the policy one
 ``LayerObservation`` per layer. ``select`` returns one ``RaggedSelection`` per observation:
 which entries each KV head keeps and their log-weights (``None`` = no correction).
+
+Every policy completes its ``score_params`` at construction with ``DEFAULT_SCORE_PARAMS``, so
+two policies that compute the same thing compare equal and have one canonical name
+(``probkv.policies.registry``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -17,6 +23,16 @@ import torch
 
 from probkv._checks import check_choice, check_ratio
 from probkv.selection import RaggedSelection
+
+# The score parameters a policy uses unless told otherwise: the defaults of the score functions
+# in probkv.scores (S6: SnapKV window 32, max-pooling, kernel 7; S5: 4 sinks), except SnapKV's
+# GQA combination. The methods follow SnapKV's GQA form in kvpress and Ada-KV's reference code
+# (raw group mean, which keeps each KV head's attention mass for Ada-KV's comparison across
+# heads) where the maths layer's default is S2's group mixture. See docs/methods.md.
+DEFAULT_SCORE_PARAMS: dict[str, dict[str, object]] = {
+    "snapkv": {"window": 32, "kernel": 7, "pooling": "max", "gqa": "mean"},
+    "streaming_llm": {"sinks": 4},
+}
 
 
 @dataclass(frozen=True)
@@ -74,12 +90,46 @@ def keep_everything(obs: LayerObservation) -> RaggedSelection:
 
 
 def validate_common(policy: EvictionPolicy) -> None:
-    """Checks every policy runs at construction, so bad input fails before any work (S1, S2)."""
+    """Checks every policy runs at construction, so bad input fails before any work (S1, S2),
+    and completes ``score_params`` with ``DEFAULT_SCORE_PARAMS`` (frozen dataclass: set once)."""
     from probkv import scores
 
-    check_ratio(policy.ratio)
+    object.__setattr__(policy, "ratio", check_ratio(policy.ratio))
     check_choice(policy.score, scores.SCORE_NAMES, "score")
-    scores.validate_params(policy.score, policy.score_params)
+    if not isinstance(policy.score_params, dict):
+        raise ValueError(
+            f"score_params must be a dict of the score's parameters, got {policy.score_params!r}"
+        )
+    params = {**DEFAULT_SCORE_PARAMS.get(policy.score, {}), **policy.score_params}
+    scores.validate_params(policy.score, params)
+    object.__setattr__(policy, "score_params", params)
+
+
+def check_fraction(value: float, name: str, *, what: str) -> float:
+    """A number in [0, 1] (``what`` says what it is a fraction of), returned as a float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise ValueError(f"{name} must be a number in [0, 1] ({what}), got {value!r}")
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1] ({what}), got {value!r}")
+    return float(value)
+
+
+def recent_count(recent: float, budget: int) -> int:
+    """H2O's recent window (S5): ``floor(recent * budget + 1/2)`` entries of a head's
+    ``budget``, at most the budget (``recent = 0.5`` is the H2O paper's equal split)."""
+    return min(budget, math.floor(recent * budget + 0.5))
+
+
+def with_recent(obs: LayerObservation, count: int) -> LayerObservation:
+    """``obs`` with its ``count`` most recent entries added to the forced (always kept) ones."""
+    if count <= 0:
+        return obs
+    h, t = obs.log_scores.shape
+    forced = torch.zeros(h, t, dtype=torch.bool, device=obs.log_scores.device)
+    if obs.forced is not None:
+        forced |= obs.forced.to(forced.device)
+    forced[:, max(0, t - count) :] = True
+    return dataclasses.replace(obs, forced=forced)
 
 
 def fit_forced(forced: torch.Tensor | None, budgets: torch.Tensor) -> torch.Tensor | None:

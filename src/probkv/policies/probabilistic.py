@@ -9,6 +9,7 @@ stratum: always kept, weight 1, and the proposal covers the other entries.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,7 +18,16 @@ import torch
 
 from probkv import budgets, estimator, proposals, sampling
 from probkv._checks import check_choice, check_tau
-from probkv.policies.base import EvictionPolicy, LayerObservation, keep_everything, validate_common
+from probkv.policies.base import (
+    EvictionPolicy,
+    LayerObservation,
+    check_fraction,
+    fit_forced,
+    keep_everything,
+    recent_count,
+    validate_common,
+    with_recent,
+)
 from probkv.selection import RaggedSelection
 
 SCOPES = ("head", "global")
@@ -38,7 +48,13 @@ class ProbabilisticPolicy(EvictionPolicy):
     - ``tau``: weight temperature (``log w / tau``); ``inf`` or ``correct=False`` = no
       correction (the uncorrected estimator).
     - ``proposal_tau``, ``uniform_mix``: S2 adjustments of the proposal itself.
+    - ``recent``: fraction of each head's budget reserved for the most recent entries, a
+      take-all stratum like SnapKV's window (H2O's recent window; default 0, none).
     - ``seed``: same seed, same kept set.
+
+    Forced entries (the score's, e.g. SnapKV's window, plus the recent ones) are kept with
+    weight 1 and count against the budget; if they exceed a head's budget (a short prompt at
+    high compression), only the most recent ``budget`` of them stay forced (``fit_forced``).
     """
 
     score: str = "min-h"
@@ -49,6 +65,7 @@ class ProbabilisticPolicy(EvictionPolicy):
     correct: bool = True
     proposal_tau: float = 1.0
     uniform_mix: float = 1.0
+    recent: float = 0.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -56,12 +73,14 @@ class ProbabilisticPolicy(EvictionPolicy):
         check_choice(self.scope, SCOPES, "scope")
         check_choice(self.sampler, SAMPLERS, "sampler")
         check_choice(self.weights, WEIGHTS, "weights")
-        check_tau(self.tau, "tau")
-        check_tau(self.proposal_tau, "proposal_tau")
-        if not 0.0 < self.uniform_mix <= 1.0:
-            raise ValueError(
-                f"uniform_mix must be in (0, 1] (weight of the proposal), got {self.uniform_mix}"
-            )
+        object.__setattr__(self, "tau", check_tau(self.tau, "tau"))
+        object.__setattr__(self, "proposal_tau", check_tau(self.proposal_tau, "proposal_tau"))
+        mix = check_fraction(self.uniform_mix, "uniform_mix", what="weight of the proposal")
+        if mix == 0.0:
+            raise ValueError("uniform_mix must be in (0, 1] (weight of the proposal), got 0")
+        object.__setattr__(self, "uniform_mix", mix)
+        recent = check_fraction(self.recent, "recent", what="share of the budget kept recent")
+        object.__setattr__(self, "recent", recent)
         if not isinstance(self.correct, bool):
             raise ValueError(f"correct must be True or False, got {self.correct!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
@@ -89,13 +108,41 @@ class ProbabilisticPolicy(EvictionPolicy):
         # One generator for the whole eviction, seeded per (seed, first layer): per-layer
         # eviction (head scope) and one-shot global eviction are both reproducible.
         generator = torch.Generator().manual_seed(self.seed * 100_003 + observations[0].layer_idx)
+        observations = [self._with_forced(obs) for obs in observations]
         pis = [self.proposal(obs).double() for obs in observations]
-        forced = [_forced_counts(obs) for obs in observations]
-        if self.sampler == "pps":
-            return self._select_pps(observations, pis, forced, generator)
-        return self._select_with_replacement(observations, pis, forced, generator)
+        # A head whose entries are all forced (a prompt no longer than SnapKV's window at a
+        # budget of every entry) has nothing to sample: it keeps everything and is left out.
+        rows = [pi.sum(-1) > 0 for pi in pis]
+        live = [i for i, r in enumerate(rows) if bool(r.any())]
+        draw = self._draw_pps if self.sampler == "pps" else self._draw_with_replacement
+        drawn = []
+        if live:
+            drawn = draw(
+                [pis[i][rows[i]] for i in live],
+                [_forced_counts(observations[i])[rows[i]] for i in live],
+                [budgets.uniform_budget(observations[i].length, self.ratio) for i in live],
+                generator,
+            )
+        kept = [torch.zeros(pi.shape, dtype=torch.bool) for pi in pis]
+        logw = [torch.zeros(pi.shape, dtype=torch.float32) for pi in pis]
+        for i, (kept_i, logw_i) in zip(live, drawn):
+            kept[i][rows[i]] = kept_i.cpu()
+            if logw_i is not None:
+                logw[i][rows[i]] = logw_i.cpu()
+        return [
+            _selection(obs, k, w if self.corrected else None)
+            for obs, k, w in zip(observations, kept, logw)
+        ]
 
-    def _select_with_replacement(self, observations, pis, forced, generator):
+    def _with_forced(self, obs: LayerObservation) -> LayerObservation:
+        """Add the recent window to the forced entries and fit them into the budget (S6)."""
+        budget = budgets.uniform_budget(obs.length, self.ratio)
+        obs = with_recent(obs, recent_count(self.recent, budget))
+        full = torch.full((obs.num_heads,), budget, dtype=torch.int64)
+        return dataclasses.replace(obs, forced=fit_forced(obs.forced, full))
+
+    def _draw_with_replacement(self, pis, forced, head_budgets, generator):
+        """S3: m draws per head (or one m for all, global scope); keep the drawn entries."""
         if self.scope == "global":
             m = sampling.samples_for_ratio(pis, self.ratio, scope="global", always_kept=forced)
             ms = [torch.full((pi.shape[0],), int(m), dtype=torch.int64) for pi in pis]
@@ -105,7 +152,7 @@ class ProbabilisticPolicy(EvictionPolicy):
                 for pi, f in zip(pis, forced)
             ]
         out = []
-        for obs, pi, m in zip(observations, pis, ms):
+        for pi, m in zip(pis, ms):
             counts = sampling.sample_counts(pi, m, generator)
             kept = counts > 0
             logw = None
@@ -113,26 +160,27 @@ class ProbabilisticPolicy(EvictionPolicy):
                 logw = estimator.log_weights(
                     pi, kept, weights=self.weights, counts=counts, num_samples=m, tau=self.tau
                 )
-            out.append(_selection(obs, kept, logw))
+            out.append((kept, logw))
         return out
 
-    def _select_pps(self, observations, pis, forced, generator):
+    def _draw_pps(self, pis, forced, head_budgets, generator):
+        """S9: exactly the budget per head (one pps scale for all heads, global scope)."""
         if self.scope == "global":
             inclusion = sampling.pps_inclusion_probabilities_global(
                 pis, self.ratio, always_kept=forced
             )
         else:
-            inclusion = []
-            for obs, pi, f in zip(observations, pis, forced):
-                k = budgets.uniform_budget(obs.length, self.ratio) - f
-                inclusion.append(sampling.pps_inclusion_probabilities(pi, k.clamp(min=0)))
+            inclusion = [
+                sampling.pps_inclusion_probabilities(pi, (b - f).clamp(min=0))
+                for pi, f, b in zip(pis, forced, head_budgets)
+            ]
         out = []
-        for obs, pi, p in zip(observations, pis, inclusion):
+        for pi, p in zip(pis, inclusion):
             kept = sampling.systematic_sample(p, generator)
             logw = None
             if self.corrected:
                 logw = estimator.log_weights(pi, kept, weights="pps", inclusion=p, tau=self.tau)
-            out.append(_selection(obs, kept, logw))
+            out.append((kept, logw))
         return out
 
 

@@ -1,6 +1,6 @@
 """Method names, one registry for the Python API, the CLI and results files (SPEC S5, S9).
 
-Grammar::
+Grammar (docs/methods.md lists every name, option and default)::
 
     METHOD      := NAME ( "/" KEY "=" VALUE )*
     NAME        := full | streaming_llm | h2o | snapkv | tova | knorm | pyramidkv
@@ -8,11 +8,16 @@ Grammar::
     SCORE       := a name in probkv.scores.SCORE_NAMES (h2o, h2o-h, min, min-h, snapkv, ...)
 
 Options (``KEY=VALUE``) are the policy's fields (``tau``, ``scope``, ``sampler``, ``weights``,
-``correct``, ``seed``, ``proposal_tau``, ``uniform_mix``, ``alpha``, ``beta``, ...) and the
-score's parameters (``window``, ``kernel``, ``pooling``, ``sinks``). Values: numbers, ``inf``,
-``true``/``false``, or words. Examples: ``snapkv/window=64``, ``prob:min-h/tau=2/scope=global``,
-``prob:h2o/correct=false``. ``method_name(policy)`` gives the canonical name: only options that
-differ from the method's defaults, sorted by key; the compression ratio is never part of it.
+``correct``, ``seed``, ``proposal_tau``, ``uniform_mix``, ``recent``, ``alpha``, ``beta``, ...)
+and the score's parameters (``window``, ``kernel``, ``pooling``, ``gqa``, ``sinks``,
+``chunk_size``). Values: numbers, ``inf``, ``true``/``false``, or words. Examples:
+``snapkv/window=64``, ``prob:min-h/tau=2/scope=global``, ``prob:h2o/correct=false``.
+
+``method_name(policy)`` gives the canonical name: the most specific named method the policy is
+(``topk:snapkv/layer_budgets=pyramid`` is ``pyramidkv``), then only the options that differ from
+that method's defaults, sorted by key, numbers in their shortest form (``tau=2``, not
+``tau=2.0``). The compression ratio is never part of a name. ``parse_method`` and
+``method_name`` are inverse: ``parse_method(method_name(p), p.ratio) == p``.
 """
 
 from __future__ import annotations
@@ -59,13 +64,34 @@ NAMED_METHODS: dict[str, tuple[type[EvictionPolicy], dict]] = {
 }
 FAMILIES: dict[str, type[EvictionPolicy]] = {"topk": TopKPolicy, "prob": ProbabilisticPolicy}
 
+# Score parameters that take tensors (GQA weights): Python API only, not method names.
+_TENSOR_PARAMS = ("alpha",)
+
 
 def method_names() -> list[str]:
+    """Every base name: the named methods, then ``topk:<score>`` and ``prob:<score>``."""
     from probkv.scores import SCORE_NAMES
 
     names = list(NAMED_METHODS)
     names += [f"topk:{s}" for s in SCORE_NAMES] + [f"prob:{s}" for s in SCORE_NAMES]
     return names
+
+
+def method_options(name: str) -> list[str]:
+    """The option keys base name ``name`` accepts (its policy's fields and score parameters)."""
+    cls, fixed = _base(name)
+    return sorted(_fields(cls, fixed) | set(_param_names(fixed.get("score", cls.score))))
+
+
+def _fields(cls: type[EvictionPolicy], fixed: dict) -> set[str]:
+    names = {f.name for f in dataclasses.fields(cls)}
+    return names - {"score_params", "ratio", "score"} - set(fixed)
+
+
+def _param_names(score: str) -> tuple[str, ...]:
+    from probkv.scores import score_param_names
+
+    return tuple(p for p in score_param_names(score) if p not in _TENSOR_PARAMS)
 
 
 def _parse_value(text: str):
@@ -94,7 +120,8 @@ def _base(name: str) -> tuple[type[EvictionPolicy], dict]:
     if sep and family in FAMILIES:
         if score not in SCORE_NAMES:
             raise ValueError(
-                f"unknown score {score!r} in method {name!r}; valid scores: {', '.join(SCORE_NAMES)}"
+                f"unknown score {score!r} in method {name!r}; valid scores: "
+                f"{', '.join(SCORE_NAMES)}"
             )
         return FAMILIES[family], {"score": score}
     raise ValueError(
@@ -104,24 +131,28 @@ def _base(name: str) -> tuple[type[EvictionPolicy], dict]:
 
 
 def parse_method(spec: str, ratio: float = 0.5) -> EvictionPolicy:
-    """The policy for a method name such as ``"prob:min-h/tau=2"`` at compression ``ratio``."""
-    from probkv.scores import score_param_names
+    """The policy for a method name such as ``"prob:min-h/tau=2"`` at compression ``ratio``.
 
+    Unknown names, unknown option keys and bad values raise ``ValueError`` listing what is
+    valid. ``full`` is always ``FullCache()`` (ratio 0) and takes no options.
+    """
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"method must be a non-empty string, got {spec!r}")
     ratio = check_ratio(ratio)
     name, *options = spec.strip().split("/")
     cls, fixed = _base(name)
-    fields = {f.name for f in dataclasses.fields(cls)} - {"score_params", "ratio", "score"}
+    fields = _fields(cls, fixed)
+    param_names = _param_names(fixed.get("score", cls.score))
     kwargs: dict = {}
     score_params: dict = {}
-    param_names = score_param_names(fixed.get("score", "uniform"))
     for option in options:
         key, sep, raw = option.partition("=")
-        if not sep or not key:
+        if not sep or not key or not raw:
             raise ValueError(f"option {option!r} in method {spec!r} must look like key=value")
         if key in fixed:
             raise ValueError(f"option {key!r} is fixed for method {name!r} (it is {fixed[key]!r})")
+        if key in kwargs or key in score_params:
+            raise ValueError(f"option {key!r} is given twice in method {spec!r}")
         value = _parse_value(raw)
         if key in fields:
             kwargs[key] = value
@@ -129,9 +160,8 @@ def parse_method(spec: str, ratio: float = 0.5) -> EvictionPolicy:
             score_params[key] = value
         else:
             allowed = sorted(fields | set(param_names))
-            raise ValueError(
-                f"unknown option {key!r} for method {name!r}; valid options: {', '.join(allowed)}"
-            )
+            listed = ", ".join(allowed) if allowed else "none"
+            raise ValueError(f"unknown option {key!r} for method {name!r}; valid options: {listed}")
     if cls is FullCache:
         return FullCache()
     return cls(ratio=ratio, score_params=score_params, **fixed, **kwargs)
@@ -141,15 +171,19 @@ def method_name(policy: EvictionPolicy) -> str:
     """Canonical name of ``policy`` (inverse of ``parse_method``, ratio aside)."""
     if isinstance(policy, FullCache):
         return "full"
-    base = None
-    for name, (cls, fixed) in NAMED_METHODS.items():
-        if type(policy) is cls and all(getattr(policy, k) == v for k, v in fixed.items()):
-            base = (name, fixed)
-            break
-    if base is None:
-        family = next(f for f, c in FAMILIES.items() if type(policy) is c)
-        base = (f"{family}:{policy.score}", {"score": policy.score})
-    name, fixed = base
+    # The most specific named method whose fixed fields the policy has (pyramidkv before snapkv).
+    matches = [
+        (len(fixed), name, fixed)
+        for name, (cls, fixed) in NAMED_METHODS.items()
+        if type(policy) is cls and all(getattr(policy, k) == v for k, v in fixed.items())
+    ]
+    if matches:
+        _, name, fixed = max(matches, key=lambda m: m[0])
+    else:
+        family = next((f for f, c in FAMILIES.items() if type(policy) is c), None)
+        if family is None:
+            raise ValueError(f"{type(policy).__name__} is not a registered method class")
+        name, fixed = f"{family}:{policy.score}", {"score": policy.score}
     defaults = type(policy)(ratio=policy.ratio, **fixed)
     options = {}
     for f in dataclasses.fields(policy):
@@ -158,13 +192,24 @@ def method_name(policy: EvictionPolicy) -> str:
         value = getattr(policy, f.name)
         if value != getattr(defaults, f.name):
             options[f.name] = value
-    options.update(policy.score_params)
+    for key, value in policy.score_params.items():
+        if key in _TENSOR_PARAMS:
+            raise ValueError(
+                f"a policy with the tensor score parameter {key!r} has no method name "
+                "(tensor parameters are for the Python API only)"
+            )
+        if key not in defaults.score_params or value != defaults.score_params[key]:
+            options[key] = value
     return name + "".join(f"/{k}={_format(v)}" for k, v in sorted(options.items()))
 
 
 def _format(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, float) and math.isinf(value):
-        return "inf"
+    if isinstance(value, float):
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        if value.is_integer():
+            return str(int(value))  # parses back to the same number
+        return repr(value)
     return str(value)

@@ -2,11 +2,12 @@
 correction (``log w = 0``). Layer budgets: uniform or PyramidKV; head budgets within a layer:
 uniform or Ada-KV's adaptive allocation. StreamingLLM, H2O, SnapKV, TOVA, K-norm, PyramidKV,
 Ada-SnapKV, Ada-PyramidKV and the top-k of any proposal (S9) are all this one class with
-different fields (see ``probkv.policies.registry``).
+different fields (see ``probkv.policies.registry`` and docs/methods.md).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -17,40 +18,58 @@ from probkv._checks import check_choice
 from probkv.policies.base import (
     EvictionPolicy,
     LayerObservation,
+    check_fraction,
     fit_forced,
     keep_everything,
+    recent_count,
     validate_common,
+    with_recent,
 )
 from probkv.selection import RaggedSelection
 
 LAYER_BUDGETS = ("uniform", "pyramid")
 HEAD_BUDGETS = ("uniform", "ada")
 
+# Scores that are logs of attention probabilities (S2): Ada-KV compares them across the heads
+# of a layer as they are, like its reference code compares raw attention. The others (key
+# norms, synthetic recency, uniform) are first made distributions per head (softmax, S2).
+_ATTENTION_SCALE_SCORES = ("h2o", "h2o-h", "min", "min-h", "snapkv", "tova")
+
 
 @dataclass(frozen=True)
 class TopKPolicy(EvictionPolicy):
     """Top-k of ``score`` per KV head.
 
-    ``layer_budgets="pyramid"``: PyramidKV's linearly decreasing layer budgets (``beta``, S5).
-    ``head_budgets="ada"``: Ada-KV's head-wise allocation of each layer's budget with the
-    safeguard ``alpha`` (S6); heads then hold different numbers of entries, stored ragged.
+    - ``layer_budgets="pyramid"``: PyramidKV's linearly decreasing layer budgets with ratio
+      ``beta`` (S5; the observation window sits outside the pyramid, as in its reference code).
+    - ``head_budgets="ada"``: Ada-KV's head-wise allocation of each layer's budget with the
+      safeguard ``alpha`` (S6, the floor fraction of the uniform share); heads then hold
+      different numbers of entries, stored ragged.
+    - ``recent``: fraction of each head's budget reserved for the most recent entries (H2O's
+      recent window; 0.5 is the H2O paper's equal split of heavy hitters and recent tokens).
+      0 (default) keeps the SPEC's H2O, pure accumulated attention (S5).
     """
 
     layer_budgets: str = "uniform"
     head_budgets: str = "uniform"
     alpha: float = 0.2
     beta: float = 20.0
+    recent: float = 0.0
 
     def __post_init__(self) -> None:
         validate_common(self)
         check_choice(self.layer_budgets, LAYER_BUDGETS, "layer_budgets")
         check_choice(self.head_budgets, HEAD_BUDGETS, "head_budgets")
-        if not 0.0 <= self.alpha <= 1.0:
-            raise ValueError(
-                f"alpha (Ada-KV safeguard fraction) must be in [0, 1], got {self.alpha}"
-            )
-        if self.beta <= 1:
-            raise ValueError(f"beta (PyramidKV) must be > 1, got {self.beta}")
+        alpha = check_fraction(self.alpha, "alpha", what="Ada-KV safeguard fraction")
+        object.__setattr__(self, "alpha", alpha)
+        beta = self.beta
+        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not math.isfinite(beta):
+            raise ValueError(f"beta (PyramidKV) must be a finite number >= 1, got {beta!r}")
+        if beta < 1:
+            raise ValueError(f"beta (PyramidKV) must be >= 1 (1 = uniform layers), got {beta!r}")
+        object.__setattr__(self, "beta", float(beta))
+        recent = check_fraction(self.recent, "recent", what="share of the budget kept recent")
+        object.__setattr__(self, "recent", recent)
 
     def layer_budget(self, obs: LayerObservation, num_layers: int) -> int:
         """Kept entries per head of this layer (before the head allocation)."""
@@ -73,12 +92,17 @@ class TopKPolicy(EvictionPolicy):
                 out.append(keep_everything(obs))
                 continue
             per_head = self.layer_budget(obs, num_layers)
+            obs = with_recent(obs, recent_count(self.recent, per_head))
             h = obs.num_heads
             uniform = torch.full((h,), per_head, dtype=torch.int64)
             forced = fit_forced(obs.forced, uniform)
             if self.head_budgets == "ada":
                 head_budgets = budgets.adakv_allocation(
-                    obs.log_scores, per_head * h, alpha=self.alpha, forced=forced
+                    obs.log_scores,
+                    per_head * h,
+                    alpha=self.alpha,
+                    forced=forced,
+                    normalize=self.score not in _ATTENTION_SCALE_SCORES,
                 )
             else:
                 head_budgets = uniform

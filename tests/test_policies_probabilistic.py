@@ -1,0 +1,376 @@
+"""Probabilistic eviction policies: proposals from every score, sampling, weights (SPEC S2-S4, S9).
+
+Every score is also a proposal (``prob:<score>``, Appendix D of the paper): checked here for
+full support on the entries that are not forced, for the take-all stratum of forced entries
+(SnapKV's window, H2O's recent window), and against plain references of what each proposal
+is. The selections' log-weights are checked against the estimator formulas, and the
+statistical claims (expected kept count, unbiased corrected totals) with fixed seeds and
+tolerances derived from the known variances. Observations come from the integration's own
+prefill path (``probkv.hf.attention.observe_prefill``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from probkv import sampling
+from probkv.hf.attention import observe_prefill
+from probkv.policies import ProbabilisticPolicy, parse_method
+from probkv.proposals import FLOOR
+from probkv.scores import SCORE_NAMES
+
+torch.set_num_threads(1)
+
+F64 = torch.float64
+SCALE = 0.35
+
+
+def random_layer(t: int, hkv: int, g: int, seed: int, d: int = 8):
+    gen = torch.Generator().manual_seed(seed)
+    q = 1.5 * torch.randn(hkv * g, t, d, generator=gen, dtype=F64)
+    k = torch.randn(hkv, t, d, generator=gen, dtype=F64)
+    k = k * (0.5 + torch.rand(hkv, t, 1, generator=gen, dtype=F64))
+    v = torch.randn(hkv, t, d, generator=gen, dtype=F64)
+    return q, k, v
+
+
+def observe(policy, q, k, v, layer_idx: int = 0):
+    layer = SimpleNamespace(policy=policy, layer_idx=layer_idx, rank=layer_idx, observation=None)
+    observe_prefill(layer, q, k, v, SCALE)
+    return layer.observation
+
+
+def dense_probabilities(q, k):
+    """[Hq, t, t] causal softmax rows (S1), one row at a time."""
+    hq, t, _ = q.shape
+    g = hq // k.shape[0]
+    p = torch.zeros(hq, t, t, dtype=F64)
+    for h in range(hq):
+        logits = SCALE * q[h] @ k[h // g].T
+        for j in range(t):
+            p[h, j, : j + 1] = torch.softmax(logits[j, : j + 1], dim=0)
+    return p
+
+
+def budget(t: int, r: float) -> int:
+    return min(t, max(1, math.floor((1 - r) * t + 0.5)))
+
+
+# ---------------------------------------------------------------- proposals (S2, App. D)
+
+
+@pytest.mark.parametrize("name", [*SCORE_NAMES, "snapkv/window=8", "h2o/recent=0.4"])
+def test_every_score_gives_a_proposal_with_full_support(name):
+    """pi >= 0, rows sum to 1, every non-forced entry has at least the S2 floor FLOOR / n
+    (n = non-forced entries of the head), forced entries have exactly 0 (take-all)."""
+    policy = parse_method(f"prob:{name}", ratio=0.6)
+    q, k, v = random_layer(50, 2, 3, seed=1)
+    obs = policy._with_forced(observe(policy, q, k, v))
+    pi = policy.proposal(obs).double()
+    forced = obs.forced if obs.forced is not None else torch.zeros_like(pi, dtype=torch.bool)
+    assert torch.isfinite(pi).all() and (pi >= 0).all()
+    torch.testing.assert_close(pi.sum(-1), torch.ones(2, dtype=F64), rtol=0, atol=1e-6)
+    assert (pi[forced] == 0).all()
+    n = (~forced).sum(-1, keepdim=True).double()
+    assert ((pi >= 0.99 * FLOOR / n) | forced).all()
+    if name.startswith("snapkv"):  # the window (32 fits no 20-entry budget: its last 20)
+        window = min(8 if "=8" in name else 32, budget(50, 0.6))
+        assert forced[:, -window:].all() and int(forced.sum()) == 2 * window
+    if name.startswith("h2o/recent"):
+        assert int(forced.sum(-1)[0]) == round(0.4 * budget(50, 0.6))
+
+
+def test_prob_h2o_is_the_normalised_accumulated_attention():
+    """App. D Eq. 17: pi_H2O(i) ∝ sum_j p_j(i), per KV head the mean over its query heads."""
+    q, k, v = random_layer(40, 2, 2, seed=2)
+    policy = parse_method("prob:h2o", ratio=0.5)
+    pi = policy.proposal(observe(policy, q, k, v)).double()
+    sums = dense_probabilities(q, k).sum(1).view(2, 2, 40).mean(1)
+    torch.testing.assert_close(pi, sums / sums.sum(-1, keepdim=True), rtol=1e-5, atol=0)
+
+
+def test_prob_tova_is_the_layer_mean_of_the_last_query():
+    """App. D Eq. 19-20: the last query's attention averaged over all query heads of the
+    layer, the same proposal for every KV head."""
+    q, k, v = random_layer(40, 3, 2, seed=3)
+    policy = parse_method("prob:tova", ratio=0.5)
+    pi = policy.proposal(observe(policy, q, k, v)).double()
+    mean = dense_probabilities(q, k)[:, -1].mean(0)
+    torch.testing.assert_close(pi, mean.expand(3, -1), rtol=1e-5, atol=0)
+
+
+def test_prob_knorm_is_the_softmax_of_minus_key_norms():
+    """App. D Eq. 18 with keys (S2): pi ∝ exp(-||k_i||), lower key norm = more mass."""
+    q, k, v = random_layer(40, 2, 2, seed=4)
+    policy = parse_method("prob:knorm", ratio=0.5)
+    pi = policy.proposal(observe(policy, q, k, v)).double()
+    torch.testing.assert_close(pi, torch.softmax(-k.norm(dim=-1), -1), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("sinks", [4, 1])
+def test_prob_streaming_llm_has_its_modes_on_the_sinks_and_the_newest(sinks):
+    """S2: a mixture of the sinks (mass lam = 4s / (4s + n + 1), uniform over them) and the
+    increasing recency r(i) = 2 (i - s + 1) / (n (n + 1)): each sink twice the newest entry."""
+    t = 30
+    policy = parse_method(f"prob:streaming_llm/sinks={sinks}", ratio=0.5)
+    pi = policy.proposal(observe(policy, *random_layer(t, 1, 2, seed=5)))[0].double()
+    n = t - sinks
+    lam = 4 * sinks / (4 * sinks + n + 1)
+    recency = torch.tensor([2 * (i + 1) / (n * (n + 1)) for i in range(n)], dtype=F64)
+    expected = torch.cat([torch.full((sinks,), lam / sinks, dtype=F64), (1 - lam) * recency])
+    torch.testing.assert_close(pi, expected, rtol=1e-5, atol=0)
+    assert (pi[sinks + 1 :] > pi[sinks:-1]).all()  # strictly increasing after the sinks
+    torch.testing.assert_close(pi[0], 2 * pi[-1], rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("gqa", ["mean", "mixture"])
+def test_prob_snapkv_is_the_pooled_window_attention_with_the_window_taken_all(gqa):
+    """Probabilistic SnapKV (S2, S6): the window is a take-all stratum (probability 0, kept
+    with weight 1); the prefix proposal is the max-pooled window attention of the group,
+    raw mean (default, as SnapKV's reference implementations) or mixture, normalised."""
+    t, w, kernel = 45, 8, 7
+    q, k, v = random_layer(t, 2, 3, seed=6)
+    policy = parse_method(f"prob:snapkv/window={w}/gqa={gqa}", ratio=0.5)
+    pi = policy.proposal(observe(policy, q, k, v)).double()
+    prefix = t - w
+    observed = dense_probabilities(q, k)[:, prefix:, :prefix].mean(1)  # [Hq, prefix]
+    pooled = F.max_pool1d(observed[:, None], kernel, stride=1, padding=kernel // 2)[:, 0]
+    if gqa == "mixture":
+        pooled = pooled / pooled.sum(-1, keepdim=True)
+    group = pooled.view(2, 3, prefix).mean(1)
+    torch.testing.assert_close(
+        pi[:, :prefix], group / group.sum(-1, keepdim=True), rtol=1e-5, atol=0
+    )
+    assert (pi[:, prefix:] == 0).all()
+
+
+def test_proposal_temperature_and_uniform_mixing():
+    """S2 adjustments: pi_tau ∝ pi^(1/tau), then a * pi_tau + (1 - a) / t."""
+    q, k, v = random_layer(40, 2, 2, seed=7)
+    base = parse_method("prob:h2o", ratio=0.5)
+    obs = observe(base, q, k, v)
+    pi = base.proposal(obs).double()
+    adjusted = parse_method("prob:h2o/proposal_tau=2/uniform_mix=0.7", ratio=0.5).proposal(obs)
+    tempered = pi.sqrt() / pi.sqrt().sum(-1, keepdim=True)
+    torch.testing.assert_close(adjusted.double(), 0.7 * tempered + 0.3 / 40, rtol=1e-5, atol=0)
+
+
+# --------------------------------------------------------------- selections and weights (S4)
+
+
+def one_layer(method, *, t=48, hkv=2, g=2, seed=8, ratio=0.5):
+    policy = parse_method(method, ratio=ratio)
+    obs = observe(policy, *random_layer(t, hkv, g, seed=seed))
+    return policy, obs
+
+
+@pytest.mark.parametrize(
+    "method",
+    ["prob:snapkv/window=8", "prob:snapkv/window=8/sampler=pps", "prob:h2o/recent=0.5"],
+)
+def test_forced_entries_are_kept_with_weight_one(method):
+    """The take-all stratum (S6, S9): window and recent entries always kept, log-weight 0."""
+    policy, obs = one_layer(method)
+    forced = policy._with_forced(obs).forced
+    for seed in range(5):
+        (sel,) = dataclasses.replace(policy, seed=seed).select([obs], num_layers=1)
+        for h in range(2):
+            idx, logw = sel.head(h)
+            window = forced[h].nonzero().flatten()
+            assert set(window.tolist()) <= set(idx.tolist())
+            assert (logw[torch.isin(idx, window)] == 0).all()
+
+
+def test_inclusion_weights_are_one_over_the_inclusion_probability():
+    """S9 Horvitz-Thompson: log w_i = -log(1 - (1 - pi_i)^m) / tau, m per head (S3)."""
+    for tau in (1.0, 2.0):
+        policy, obs = one_layer(f"prob:min-h/weights=inclusion/tau={tau}")
+        pi = policy.proposal(obs).double()
+        m = sampling.samples_for_ratio(pi, 0.5, scope="head")
+        (sel,) = policy.select([obs], num_layers=1)
+        for h in range(2):
+            idx, logw = sel.head(h)
+            p = pi[h, idx]
+            expected = -torch.log(-torch.expm1(m[h] * torch.log1p(-p))) / tau
+            torch.testing.assert_close(logw.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_count_weights_recover_integer_counts_summing_to_m():
+    """S4 Eq. 10: w_i = c_i / (m pi_i), so w_i m pi_i are the draw counts: integers >= 1
+    that add up to the number of samples m of the head."""
+    policy, obs = one_layer("prob:h2o/weights=counts")
+    pi = policy.proposal(obs).double()
+    m = sampling.samples_for_ratio(pi, 0.5, scope="head")
+    (sel,) = policy.select([obs], num_layers=1)
+    for h in range(2):
+        idx, logw = sel.head(h)
+        counts = torch.exp(logw.double()) * m[h] * pi[h, idx]
+        torch.testing.assert_close(counts, counts.round(), rtol=1e-4, atol=0)
+        assert (counts.round() >= 1).all() and int(counts.round().sum()) == int(m[h])
+
+
+def test_pps_keeps_exactly_the_budget_with_weights_one_over_p():
+    """S9 pps: exactly the head budget (forced entries included), log w_i = -log P_i."""
+    policy, obs = one_layer("prob:snapkv/window=8/sampler=pps", t=60, ratio=0.7)
+    obs = policy._with_forced(obs)
+    pi = policy.proposal(obs).double()
+    b = budget(60, 0.7)
+    inclusion = sampling.pps_inclusion_probabilities(pi, b - 8)
+    for seed in range(5):
+        (sel,) = dataclasses.replace(policy, seed=seed).select([obs], num_layers=1)
+        assert sel.lengths.tolist() == [b, b]
+        for h in range(2):
+            idx, logw = sel.head(h)
+            free = idx < 52
+            expected = -torch.log(inclusion[h, idx[free]])
+            torch.testing.assert_close(logw[free].double(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_temperature_scales_the_weights_of_the_same_sample():
+    """S4: log w / tau; the kept set does not depend on tau (same seed)."""
+    _, obs = one_layer("prob:min-h")
+    one = parse_method("prob:min-h/seed=3", ratio=0.5).select([obs], num_layers=1)[0]
+    two = parse_method("prob:min-h/seed=3/tau=2", ratio=0.5).select([obs], num_layers=1)[0]
+    assert torch.equal(one.indices, two.indices)
+    torch.testing.assert_close(two.log_weights, one.log_weights / 2, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("option", ["correct=false", "tau=inf"])
+def test_no_correction_gives_no_weights(option):
+    policy, obs = one_layer(f"prob:h2o/{option}")
+    assert policy.select([obs], num_layers=1)[0].log_weights is None
+
+
+def test_same_seed_same_kept_set_different_seed_differs():
+    policy, obs = one_layer("prob:min-h")
+    a = policy.select([obs], num_layers=1)[0]
+    b = policy.select([obs], num_layers=1)[0]
+    c = dataclasses.replace(policy, seed=1).select([obs], num_layers=1)[0]
+    assert torch.equal(a.indices, b.indices) and torch.equal(a.lengths, b.lengths)
+    assert not (torch.equal(a.indices, c.indices) and torch.equal(a.lengths, c.lengths))
+
+
+@pytest.mark.parametrize("sampler", ["with_replacement", "pps"])
+@pytest.mark.parametrize(("t", "ratio"), [(1, 0.5), (3, 0.1), (20, 0.5), (40, 0.5)])
+def test_short_prompts_keep_the_most_recent_budget(sampler, t, ratio):
+    """SnapKV's 32-entry window does not fit: the most recent ``budget`` entries are the
+    take-all stratum and nothing is sampled, so the budget is exact even with replacement."""
+    policy = parse_method(f"prob:snapkv/sampler={sampler}", ratio=ratio)
+    obs = [observe(policy, *random_layer(t, 2, 2, seed=9 + i), layer_idx=i) for i in range(2)]
+    b = budget(t, ratio)
+    for sel in policy.select(obs, num_layers=2):
+        assert sel.lengths.tolist() == [b, b]
+        assert sel.indices.tolist() == list(range(t - b, t)) * 2
+        assert (sel.log_weights == 0).all()
+
+
+# ------------------------------------------------------------------- statistical claims
+
+
+def test_expected_kept_count_is_the_budget():
+    """S3: m is chosen so that E[J(m)] = sum_i 1 - (1 - pi_i)^m is within 0.5 of (1 - r) t.
+    The kept indicators of multinomial sampling are negatively associated, so
+    Var[J] <= sum_i P_i (1 - P_i); the mean over N seeds is within 4 standard errors."""
+    policy, obs = one_layer("prob:h2o", t=60, hkv=1, ratio=0.5)
+    pi = policy.proposal(obs).double()
+    m = sampling.samples_for_ratio(pi, 0.5, scope="head")
+    expected = float(sampling.expected_distinct(pi, m)[0])
+    assert abs(expected - 30) <= 0.5
+    inclusion = sampling.inclusion_probabilities_with_replacement(pi, m)
+    var_bound = float((inclusion * (1 - inclusion)).sum())
+    n = 300
+    kept = [
+        int(dataclasses.replace(policy, seed=s).select([obs], num_layers=1)[0].lengths[0])
+        for s in range(n)
+    ]
+    assert abs(sum(kept) / n - expected) <= 4 * math.sqrt(var_bound / n)
+
+
+def corrected_totals(policy, obs, f, seeds):
+    """sum over kept entries of w_i f_i, one value per seed (first KV head)."""
+    out = []
+    for s in seeds:
+        (sel,) = dataclasses.replace(policy, seed=s).select([obs], num_layers=1)
+        idx, logw = sel.head(0)
+        out.append(float((torch.exp(logw.double()) * f[idx]).sum()))
+    return torch.tensor(out, dtype=F64)
+
+
+def test_inclusion_weighted_total_is_unbiased():
+    """S9: with w_i = 1 / P_i the corrected total sum_{i kept} w_i f_i is unbiased for
+    sum_i f_i (Horvitz-Thompson). For f >= 0 and negatively associated inclusions its
+    variance is at most sum_i f_i^2 (1 - P_i) / P_i; 4 standard errors over N seeds."""
+    policy, obs = one_layer("prob:h2o/uniform_mix=0.5", t=40, hkv=1)
+    pi = policy.proposal(obs).double()[0]
+    m = sampling.samples_for_ratio(pi, 0.5, scope="head")
+    inclusion = sampling.inclusion_probabilities_with_replacement(pi, m)
+    f = torch.linspace(0.1, 2.0, 40, dtype=F64) ** 2
+    n = 400
+    totals = corrected_totals(policy, obs, f, range(n))
+    var_bound = float((f**2 * (1 - inclusion) / inclusion).sum())
+    assert abs(float(totals.mean()) - float(f.sum())) <= 4 * math.sqrt(var_bound / n)
+
+
+def test_count_weighted_total_is_unbiased():
+    """S4 Hansen-Hurwitz: sum_i c_i f_i / (m pi_i) is unbiased for sum_i f_i with the exact
+    variance (1/m) (sum_i f_i^2 / pi_i - (sum_i f_i)^2); 4 standard errors over N seeds."""
+    policy, obs = one_layer("prob:h2o/uniform_mix=0.5/weights=counts", t=40, hkv=1)
+    pi = policy.proposal(obs).double()[0]
+    m = int(sampling.samples_for_ratio(pi, 0.5, scope="head"))
+    f = torch.linspace(0.1, 2.0, 40, dtype=F64) ** 2
+    n = 400
+    totals = corrected_totals(policy, obs, f, range(n))
+    var = float((f**2 / pi).sum() - f.sum() ** 2) / m
+    assert abs(float(totals.mean()) - float(f.sum())) <= 4 * math.sqrt(var / n)
+
+
+def test_global_scope_shares_one_m_and_hits_the_mean_fraction():
+    """S3 global: one m for all heads of all layers, so heads keep different fractions, and
+    the mean kept fraction is 1 - r in expectation (within the search tolerance 0.5 / t).
+    Every head draws its own samples independently, so the variance of the mean fraction is
+    sum_h Var[J_h] / (H t)^2 <= sum_h sum_i P_hi (1 - P_hi) / (H t)^2; 4 standard errors."""
+    policy = parse_method("prob:h2o/scope=global", ratio=0.6)
+    assert not policy.layerwise
+    t, n = 50, 200
+    obs = [observe(policy, *random_layer(t, 2, 2, seed=20 + i), layer_idx=i) for i in range(2)]
+    pis = [policy.proposal(o).double() for o in obs]
+    m = sampling.samples_for_ratio(pis, 0.6, scope="global")
+    inclusion = torch.cat([sampling.inclusion_probabilities_with_replacement(p, m) for p in pis])
+    expected = float(inclusion.sum(-1).mean()) / t
+    assert abs(expected - 0.4) <= 0.5 / t
+    fractions = []
+    for s in range(n):
+        sels = dataclasses.replace(policy, seed=s).select(obs, num_layers=2)
+        fractions.append(float(torch.cat([x.lengths for x in sels]).double().mean()) / t)
+    var_bound = float((inclusion * (1 - inclusion)).sum()) / (4 * t) ** 2
+    assert abs(sum(fractions) / n - expected) <= 4 * math.sqrt(var_bound / n)
+
+
+# ------------------------------------------------------------------------------ bad input
+
+
+def test_bad_fields_fail_at_construction_naming_the_value():
+    with pytest.raises(ValueError, match="scope must be one of 'head', 'global'; got 'layer'"):
+        ProbabilisticPolicy(scope="layer")
+    with pytest.raises(ValueError, match="sampler must be one of 'with_replacement', 'pps'"):
+        ProbabilisticPolicy(sampler="poisson")
+    with pytest.raises(ValueError, match="weights must be one of 'counts', 'inclusion'"):
+        ProbabilisticPolicy(weights="pps")
+    with pytest.raises(ValueError, match=r"tau must be > 0.*got 0"):
+        ProbabilisticPolicy(tau=0)
+    with pytest.raises(ValueError, match=r"uniform_mix must be in \(0, 1\]"):
+        ProbabilisticPolicy(uniform_mix=0.0)
+    with pytest.raises(ValueError, match="correct must be True or False, got 'yes'"):
+        ProbabilisticPolicy(correct="yes")
+    with pytest.raises(ValueError, match=r"seed must be an integer, got 1\.5"):
+        ProbabilisticPolicy(seed=1.5)
+    with pytest.raises(ValueError, match=r"ratio must be in \[0, 1\)"):
+        ProbabilisticPolicy(ratio=1.0)
+    with pytest.raises(ValueError, match=r"unknown parameter\(s\) \['window'\] for score 'h2o'"):
+        ProbabilisticPolicy(score="h2o", score_params={"window": 8})

@@ -1,0 +1,258 @@
+"""The method registry: one name per method for the Python API, the CLI and results files
+(SPEC S5, S9; grammar in probkv.policies.registry and docs/methods.md)."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from probkv import scores
+from probkv.policies import (
+    DEFAULT_SCORE_PARAMS,
+    FullCache,
+    ProbabilisticPolicy,
+    TopKPolicy,
+    method_name,
+    method_names,
+    method_options,
+    parse_method,
+)
+from probkv.scores import SCORE_NAMES
+
+NAMED = [
+    "full",
+    "streaming_llm",
+    "h2o",
+    "snapkv",
+    "tova",
+    "knorm",
+    "pyramidkv",
+    "ada_snapkv",
+    "ada_pyramidkv",
+]
+
+
+def test_method_names_are_the_named_methods_and_both_families():
+    names = method_names()
+    assert names[: len(NAMED)] == NAMED
+    assert set(names[len(NAMED) :]) == {f"{f}:{s}" for f in ("topk", "prob") for s in SCORE_NAMES}
+
+
+@pytest.mark.parametrize("name", method_names())
+def test_every_name_parses_to_its_policy(name):
+    policy = parse_method(name, ratio=0.4)
+    if name == "full":
+        assert policy == FullCache() and policy.ratio == 0.0
+        return
+    assert policy.ratio == 0.4
+    expected = ProbabilisticPolicy if name.startswith("prob:") else TopKPolicy
+    assert type(policy) is expected
+    assert parse_method(method_name(policy), ratio=0.4) == policy
+
+
+def test_named_methods_are_what_they_say():
+    """Each named method is the top-k policy with the fields of its paper (S5, S6)."""
+    assert parse_method("streaming_llm").score_params == {"sinks": 4}
+    snap = {"window": 32, "kernel": 7, "pooling": "max", "gqa": "mean"}
+    expected = {
+        "h2o": ("h2o", "uniform", "uniform", {}),
+        "snapkv": ("snapkv", "uniform", "uniform", snap),
+        "tova": ("tova", "uniform", "uniform", {}),
+        "knorm": ("knorm", "uniform", "uniform", {}),
+        "pyramidkv": ("snapkv", "pyramid", "uniform", snap),
+        "ada_snapkv": ("snapkv", "uniform", "ada", snap),
+        "ada_pyramidkv": ("snapkv", "pyramid", "ada", snap),
+    }
+    for name, (score, layers, heads, params) in expected.items():
+        p = parse_method(name)
+        assert (p.score, p.layer_budgets, p.head_budgets, p.score_params) == (
+            score,
+            layers,
+            heads,
+            params,
+        )
+        assert (p.alpha, p.beta, p.recent) == (0.2, 20.0, 0.0)
+
+
+def test_default_score_params_are_the_score_functions_defaults_except_snapkv_gqa():
+    """The policies complete score_params with the maths layer's defaults (S6 window 32,
+    kernel 7, max; 4 sinks), except SnapKV's GQA form, which follows the reference
+    implementations (raw group mean) rather than S2's mixture (docs/methods.md)."""
+    functions = {"snapkv": scores.snapkv, "streaming_llm": scores.streaming_llm}
+    for name, params in DEFAULT_SCORE_PARAMS.items():
+        signature = inspect.signature(functions[name]).parameters
+        for key, value in params.items():
+            if (name, key) == ("snapkv", "gqa"):
+                assert value == "mean" and signature[key].default == "mixture"
+            else:
+                assert signature[key].default == value, (name, key)
+
+
+def test_python_api_and_names_agree():
+    """The same policy built in Python or from a name compares equal and has one name."""
+    assert TopKPolicy(score="snapkv") == parse_method("snapkv")
+    assert method_name(TopKPolicy(score="snapkv", ratio=0.3)) == "snapkv"
+    assert method_name(ProbabilisticPolicy(score="min-h", tau=2)) == "prob:min-h/tau=2"
+    assert method_name(FullCache()) == "full"
+
+
+@pytest.mark.parametrize(
+    ("spec", "canonical"),
+    [
+        ("snapkv/window=32/kernel=7/pooling=max/gqa=mean", "snapkv"),
+        ("topk:snapkv", "snapkv"),
+        ("topk:h2o", "h2o"),
+        ("topk:snapkv/layer_budgets=pyramid", "pyramidkv"),
+        ("snapkv/head_budgets=ada/layer_budgets=pyramid", "ada_pyramidkv"),
+        ("h2o/layer_budgets=pyramid", "h2o/layer_budgets=pyramid"),
+        ("prob:min-h/tau=2.0/scope=global", "prob:min-h/scope=global/tau=2"),
+        ("prob:h2o/correct=false", "prob:h2o/correct=false"),
+        ("prob:h2o/tau=inf", "prob:h2o/tau=inf"),
+        ("prob:snapkv/window=8/gqa=mixture", "prob:snapkv/gqa=mixture/window=8"),
+        ("ada_snapkv/alpha=0.20", "ada_snapkv"),
+        ("ada_snapkv/alpha=0.5", "ada_snapkv/alpha=0.5"),
+        ("h2o/recent=0.5", "h2o/recent=0.5"),
+        ("  knorm  ", "knorm"),
+    ],
+)
+def test_canonical_names(spec, canonical):
+    """Canonical: most specific named method, non-default options only, sorted by key,
+    numbers in shortest form; canonical names are fixed points."""
+    assert method_name(parse_method(spec)) == canonical
+    assert method_name(parse_method(canonical)) == canonical
+
+
+def test_ratio_is_not_part_of_the_name():
+    assert method_name(parse_method("snapkv", ratio=0.9)) == "snapkv"
+    assert parse_method("snapkv", ratio=0.9).ratio == 0.9
+
+
+# ------------------------------------------------------------------- round trip (property)
+
+VALUES = {
+    "tau": ["0.5", "1", "2", "10", "inf"],
+    "scope": ["head", "global"],
+    "sampler": ["with_replacement", "pps"],
+    "weights": ["counts", "inclusion"],
+    "correct": ["true", "false"],
+    "seed": ["0", "1", "17"],
+    "proposal_tau": ["0.5", "1", "3.0"],
+    "uniform_mix": ["0.25", "0.5", "1"],
+    "recent": ["0", "0.25", "0.5"],
+    "alpha": ["0", "0.2", "0.5", "1.0"],
+    "beta": ["1", "5", "20"],
+    "layer_budgets": ["uniform", "pyramid"],
+    "head_budgets": ["uniform", "ada"],
+    "window": ["1", "8", "32", "64"],
+    "kernel": ["1", "3", "5", "7"],
+    "pooling": ["max", "avg"],
+    "gqa": ["mean", "mixture"],
+    "sinks": ["0", "1", "4", "8"],
+    "chunk_size": ["16", "64"],
+}
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_parse_and_name_round_trip(data):
+    """method_name(parse_method(x)) is canonical(x): parsing it gives the same policy, and
+    naming that policy again gives the same name (hypothesis over names and options)."""
+    name = data.draw(st.sampled_from([n for n in method_names() if n != "full"]))
+    keys = data.draw(st.lists(st.sampled_from(method_options(name)), unique=True, max_size=5))
+    options = [f"{k}={data.draw(st.sampled_from(VALUES[k]))}" for k in keys]
+    spec = "/".join([name, *options])
+    ratio = data.draw(st.sampled_from([0.0, 0.25, 0.5, 0.9]))
+    policy = parse_method(spec, ratio=ratio)
+    canonical = method_name(policy)
+    again = parse_method(canonical, ratio=ratio)
+    assert again == policy
+    assert method_name(again) == canonical
+    option_keys = [part.split("=")[0] for part in canonical.split("/")[1:]]
+    assert option_keys == sorted(option_keys)
+
+
+# ------------------------------------------------------------------------------- errors
+
+
+def test_unknown_method_lists_the_valid_ones():
+    with pytest.raises(ValueError) as err:
+        parse_method("snapKV")
+    message = str(err.value)
+    assert "unknown method 'snapKV'" in message
+    for name in NAMED:
+        assert name in message
+    assert "topk:<score>" in message and "prob:<score>" in message
+    for score in SCORE_NAMES:
+        assert score in message
+
+
+def test_unknown_score_lists_the_valid_scores():
+    with pytest.raises(ValueError, match=r"unknown score 'min_h' in method 'prob:min_h'") as err:
+        parse_method("prob:min_h")
+    assert all(score in str(err.value) for score in SCORE_NAMES)
+    with pytest.raises(ValueError, match="unknown method 'sample:h2o'"):
+        parse_method("sample:h2o")
+
+
+@pytest.mark.parametrize("name", ["snapkv", "prob:min-h", "streaming_llm", "ada_pyramidkv"])
+def test_unknown_option_lists_the_valid_options(name):
+    with pytest.raises(ValueError) as err:
+        parse_method(f"{name}/temperature=2")
+    message = str(err.value)
+    assert f"unknown option 'temperature' for method {name!r}; valid options: " in message
+    assert message.endswith(", ".join(method_options(name)))
+
+
+def test_method_options_per_family():
+    assert "tau" in method_options("prob:h2o") and "alpha" not in method_options("prob:h2o")
+    assert "sinks" in method_options("streaming_llm") and "window" not in method_options("h2o")
+    assert {"window", "kernel", "pooling", "gqa"} <= set(method_options("prob:snapkv"))
+    assert "layer_budgets" not in method_options("pyramidkv")  # fixed by the name
+    assert method_options("full") == []
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("pyramidkv/layer_budgets=uniform", "option 'layer_budgets' is fixed for method"),
+        ("snapkv/window", "must look like key=value"),
+        ("snapkv/=3", "must look like key=value"),
+        ("snapkv/window=", "must look like key=value"),
+        ("snapkv/window=8/window=16", "option 'window' is given twice"),
+        ("full/tau=2", "unknown option 'tau' for method 'full'; valid options: none"),
+        ("snapkv/window=0", "window must be >= 1, got 0"),
+        ("snapkv/window=8.5", "window must be an integer, got 8.5"),
+        ("snapkv/kernel=4", "kernel must be odd"),
+        ("snapkv/pooling=mean", "pooling must be one of 'max', 'avg'; got 'mean'"),
+        ("snapkv/gqa=sum", "gqa must be one of 'mixture', 'mean'; got 'sum'"),
+        ("streaming_llm/sinks=-1", "sinks must be >= 0, got -1"),
+        ("ada_snapkv/alpha=1.5", r"alpha must be in \[0, 1\]"),
+        ("pyramidkv/beta=0.5", "beta .* must be >= 1"),
+        ("h2o/recent=2", r"recent must be in \[0, 1\]"),
+        ("prob:h2o/tau=-1", "tau must be > 0"),
+        ("prob:h2o/scope=layer", "scope must be one of 'head', 'global'; got 'layer'"),
+        ("prob:h2o/sampler=poisson", "sampler must be one of 'with_replacement', 'pps'"),
+        ("prob:h2o/correct=maybe", "correct must be True or False, got 'maybe'"),
+        ("prob:h2o/uniform_mix=0", r"uniform_mix must be in \(0, 1\]"),
+        ("prob:h2o/chunk_size=0", "chunk_size must be >= 1, got 0"),
+        ("prob:h2o/alpha=0.5", "unknown option 'alpha' for method 'prob:h2o'"),
+    ],
+)
+def test_bad_options_fail_naming_the_value_and_what_is_allowed(spec, message):
+    with pytest.raises(ValueError, match=message):
+        parse_method(spec)
+
+
+@pytest.mark.parametrize("spec", ["", "   ", None, 3])
+def test_empty_or_non_string_names_fail(spec):
+    with pytest.raises(ValueError, match="method must be a non-empty string"):
+        parse_method(spec)
+
+
+@pytest.mark.parametrize("ratio", [-0.1, 1.0, "0.5", float("nan")])
+def test_bad_ratio_fails(ratio):
+    with pytest.raises(ValueError, match="ratio must be"):
+        parse_method("snapkv", ratio=ratio)
