@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/probkv generate
+	$(BIN)/probkv demo
 
 test: $(STAMP)
 	$(BIN)/ruff check .

@@ -22,7 +22,11 @@ import time
 from collections.abc import Sequence
 
 #: Modules that contribute subcommands, in ``--help`` order; add yours here.
-COMMAND_MODULES: tuple[str, ...] = ("probkv.cli",)
+COMMAND_MODULES: tuple[str, ...] = (
+    "probkv.cli",
+    "probkv.eval.attention_error_cli",
+    "probkv.eval.commands",
+)
 
 DEFAULT_THREADS = 1
 

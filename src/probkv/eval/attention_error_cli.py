@@ -1,0 +1,220 @@
+"""``probkv attention-error``: the attention-error experiment from the command line (SPEC S7).
+
+Writes one JSON file ``{"header": {...}, "rows": [...]}``; the rows and what every number
+means are documented in :mod:`probkv.eval.attention_error` (and repeated in the header's
+``definitions``). ``probkv plot`` draws them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from probkv.cli import positive_int
+
+TAUS = "1,2,5,10,50"
+RATIOS = "0.25,0.5,0.75,0.9"
+
+
+def float_list(text: str) -> list[float]:
+    """argparse type: comma-separated numbers (``0.25,0.5``); names the bad item."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}")
+    out = []
+    for item in items:
+        try:
+            out.append(float(item))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r} in {text!r} is not a number") from None
+    return out
+
+
+def non_negative_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value!r}")
+    return n
+
+
+def add_commands(subparsers: argparse._SubParsersAction) -> None:
+    """The ``attention-error`` subcommand."""
+    from probkv.eval.attention_error import PROMPT_FORMATS, WITH_REPLACEMENT_WEIGHTS
+    from probkv.models import DEFAULT_MODEL
+    from probkv.policies.probabilistic import SAMPLERS, SCOPES
+    from probkv.scores import SCORE_NAMES
+
+    parser = subparsers.add_parser(
+        "attention-error",
+        help="attention error of top-k, uncorrected and corrected eviction (paper Figure 2)",
+        description=(
+            "Per-head attention error (mean absolute difference over the head dimension, "
+            "averaged over every head of every evicted layer) of H2O top-k, top-k of the "
+            "proposal, and sampled eviction without and with correction, per compression "
+            "ratio and weight temperature (SPEC S7, S9). Default prompt: the paper's "
+            "Appendix E text, whose question's first token is the measured decode token."
+        ),
+    )
+    parser.add_argument(
+        "--model", default=DEFAULT_MODEL, help=f"model name or folder (default {DEFAULT_MODEL})"
+    )
+    parser.add_argument("--ratios", type=float_list, default=RATIOS, help=f"default {RATIOS}")
+    parser.add_argument("--taus", type=float_list, default=TAUS, help=f"default {TAUS}")
+    parser.add_argument(
+        "--seeds",
+        type=positive_int,
+        default=3,
+        help="number K of seeds (0..K-1) of the sampled estimators (default 3)",
+    )
+    parser.add_argument("--out", type=Path, required=True, help="results JSON file")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument(
+        "--prompt-file", type=Path, help="UTF-8 text used in place of the Appendix E text"
+    )
+    source.add_argument(
+        "--prompt-tokens",
+        type=positive_int,
+        help="a prompt of about N tokens: prose haystack around the Appendix E text",
+    )
+    parser.add_argument(
+        "--question", default=None, help="question (default: the Appendix E question)"
+    )
+    parser.add_argument(
+        "--format",
+        choices=PROMPT_FORMATS,
+        default=None,
+        help="paper: plain text, decode token = the question's first token (default for the "
+        "Appendix E prompt); chat: chat template with the question, decode token = the "
+        "model's greedy answer (default for --prompt-file and --prompt-tokens)",
+    )
+    parser.add_argument(
+        "--proposal", choices=SCORE_NAMES, default="h2o", help="proposal (default h2o)"
+    )
+    parser.add_argument(
+        "--weights",
+        choices=WITH_REPLACEMENT_WEIGHTS,
+        default=None,
+        help="with_replacement weights (default counts, the paper); not with --sampler pps",
+    )
+    parser.add_argument(
+        "--sampler", choices=SAMPLERS, default="with_replacement", help="default with_replacement"
+    )
+    parser.add_argument(
+        "--steps",
+        type=non_negative_int,
+        default=0,
+        help="also the compounded error averaged over the first N decode tokens (default 0)",
+    )
+    parser.add_argument(
+        "--scope", choices=SCOPES, default="head", help="budget scope (S3; default head)"
+    )
+    parser.set_defaults(handler=run_attention_error)
+
+
+def run_attention_error(args: argparse.Namespace) -> int:
+    """Load the model, build the prompt and decode tokens, measure, write the JSON."""
+    from probkv.eval import attention_error as ae
+    from probkv.eval.paper_prompt import PAPER_QUESTION, PAPER_TEXT
+    from probkv.hf import prepare_model
+    from probkv.models import load_model
+
+    _, _, weights = ae.validate_arguments(
+        ratios=args.ratios,
+        taus=args.taus,
+        seeds=args.seeds,
+        proposal=args.proposal,
+        weights=args.weights,
+        sampler=args.sampler,
+        scope=args.scope,
+        steps=args.steps,
+    )
+    start = time.perf_counter()
+    model, tokenizer = load_model(args.model)
+    prepare_model(model)
+    question = PAPER_QUESTION if args.question is None else args.question
+    if args.prompt_file is not None:
+        try:
+            text = args.prompt_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise ValueError(f"--prompt-file {args.prompt_file}: {err}") from err
+        prompt = ae.text_prompt(
+            tokenizer, text, question, format=args.format or "chat", source="file"
+        )
+    elif args.prompt_tokens is not None:
+        prompt = ae.haystack_prompt(
+            tokenizer, args.prompt_tokens, format=args.format or "chat", question=question
+        )
+    else:
+        prompt = ae.text_prompt(
+            tokenizer, PAPER_TEXT, question, format=args.format or "paper", source="paper"
+        )
+    decode = ae.decode_tokens(model, prompt, max(args.steps, 1))
+    log = lambda message: print(f"[attention-error] {message}", file=sys.stderr)  # noqa: E731
+    log(f"prompt: {len(prompt.context_ids)} tokens ({prompt.source}, {prompt.format} format)")
+    rows = ae.measure_attention_error(
+        model,
+        prompt.context_ids,
+        decode,
+        ratios=args.ratios,
+        taus=args.taus,
+        seeds=args.seeds,
+        proposal=args.proposal,
+        weights=args.weights,
+        sampler=args.sampler,
+        scope=args.scope,
+        steps=args.steps,
+        progress=log,
+    )
+    arguments = {
+        "ratios": args.ratios,
+        "taus": args.taus,
+        "seeds": args.seeds,
+        "proposal": args.proposal,
+        "weights": weights,
+        "sampler": args.sampler,
+        "scope": args.scope,
+        "steps": args.steps,
+        "prompt_file": None if args.prompt_file is None else str(args.prompt_file),
+        "prompt_tokens": args.prompt_tokens,
+        "question": question,
+    }
+    header = ae.results_header(
+        model_name=args.model,
+        prompt=prompt,
+        decode_ids=decode,
+        tokenizer=tokenizer,
+        arguments=arguments,
+        num_heads=rows[0]["num_heads"],
+    )
+    header["runtime_s"] = round(time.perf_counter() - start, 2)
+    write_json(args.out, {"header": header, "rows": rows})
+    print(format_table(rows))
+    print(f"wrote {len(rows)} rows to {args.out}")
+    return 0
+
+
+def write_json(path: Path, payload: dict) -> None:
+    """Write ``payload`` atomically (temporary file, then rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(payload, indent=1, allow_nan=False) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def format_table(rows: list[dict]) -> str:
+    """A plain-text table: one line per row (step, ratio, estimator, tau, error, ratio)."""
+    lines = [f"{'step':>6} {'r':>5} {'estimator':<22} {'mae_mean':>10} {'mae_std':>9} {'eff r':>6}"]
+    for row in rows:
+        name = row["estimator"] + (f" tau={row['tau']:g}" if row["tau"] is not None else "")
+        lines.append(
+            f"{row['step']!s:>6} {row['ratio']:>5.2f} {name:<22} {row['mae_mean']:>10.5f} "
+            f"{row['mae_std']:>9.5f} {row['effective_ratio']:>6.3f}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,289 @@
+"""The ``eval``, ``plot`` and ``demo`` subcommands (registered in ``probkv.cli``).
+
+- ``probkv eval``: :func:`probkv.eval.runner.run_eval` (see that module for the files it
+  writes, resuming, and the decisions on ``full``, the win score and question-aware eviction).
+- ``probkv plot PATH``: the figures of a run folder, or of an attention-error JSON file.
+- ``probkv demo``: :mod:`probkv.eval.demo`.
+
+Heavy imports (torch, transformers, matplotlib) happen inside the handlers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from probkv.cli import positive_int
+
+# Defaults of `probkv demo` (equal to probkv.eval.demo's; see add_commands).
+DEMO_OUT = "demo-out"
+DEMO_WORKERS = 2
+DEMO_PER_TASK = 3
+DEMO_LENGTH = 1200
+
+
+def comma_list(value: str) -> list[str]:
+    """argparse type: a non-empty comma-separated list (``a,b,c``)."""
+    items = [v.strip() for v in value.split(",")]
+    if not value.strip() or any(not v for v in items):
+        raise argparse.ArgumentTypeError(f"must be a comma-separated list, got {value!r}")
+    return items
+
+
+def ratio_list(value: str) -> list[float]:
+    """argparse type: comma-separated compression ratios in [0, 1)."""
+    out = []
+    for item in comma_list(value):
+        try:
+            r = float(item)
+        except ValueError:
+            r = -1.0
+        if not 0.0 <= r < 1.0:
+            raise argparse.ArgumentTypeError(
+                f"ratios must be numbers in [0, 1) (fraction evicted), got {item!r}"
+            )
+        out.append(r)
+    return out
+
+
+def length_list(value: str) -> list[int]:
+    """argparse type: comma-separated positive integers (prompt lengths in tokens)."""
+    return [positive_int(item) for item in comma_list(value)]
+
+
+def add_commands(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``eval``, ``plot`` and ``demo``."""
+    from probkv.models import DEFAULT_MODEL
+
+    ev = subparsers.add_parser(
+        "eval",
+        help="evaluate eviction methods on tasks (results, resume, summary)",
+        description=(
+            "Run every (method, ratio, example) job, appending one line per finished job to "
+            "OUT/results.jsonl; rerunning with the same OUT resumes. Writes OUT/summary.md and "
+            "OUT/summary.json (score per task, average total score and win score, SPEC S7; "
+            "target vs effective compression ratio). 'full' runs once per example (ratio 0) and "
+            "is the reference, not ranked in the win score. See probkv.eval.runner."
+        ),
+    )
+    ev.add_argument(
+        "--model", default=DEFAULT_MODEL, help=f"name, .gguf or folder (default {DEFAULT_MODEL})"
+    )
+    ev.add_argument(
+        "--methods",
+        type=comma_list,
+        default=["full", "snapkv", "prob:min-h"],
+        help="comma-separated method names, e.g. full,snapkv,prob:min-h/tau=2 "
+        "(default full,snapkv,prob:min-h)",
+    )
+    ev.add_argument(
+        "--ratios",
+        type=ratio_list,
+        default=[0.5],
+        help="comma-separated compression ratios in [0, 1) (default 0.5)",
+    )
+    source = ev.add_mutually_exclusive_group(required=True)
+    source.add_argument("--data", help="JSONL file (probkv's format or LongBench's)")
+    source.add_argument(
+        "--tasks", type=comma_list, help="generated task names, comma-separated, or 'all'"
+    )
+    ev.add_argument(
+        "--data-format",
+        choices=("auto", "probkv", "longbench"),
+        default="auto",
+        help="format of --data (default: detected)",
+    )
+    ev.add_argument(
+        "--lengths", type=length_list, help="prompt lengths in tokens for --tasks, e.g. 2048,4096"
+    )
+    ev.add_argument(
+        "--per-task",
+        type=positive_int,
+        default=5,
+        help="examples per task and length (default 5)",
+    )
+    ev.add_argument("--seed", type=int, default=0, help="task generation seed (default 0)")
+    ev.add_argument("--out", required=True, help="output folder (created; reruns resume)")
+    ev.add_argument(
+        "--question-aware",
+        action="store_true",
+        help="evict after context + question (default: before the question is seen)",
+    )
+    ev.add_argument(
+        "--workers",
+        type=positive_int,
+        default=1,
+        help="processes, each loading the model once (default 1)",
+    )
+    ev.add_argument(
+        "--max-examples", type=positive_int, help="only the first N examples (after loading)"
+    )
+    ev.add_argument(
+        "--force",
+        action="store_true",
+        help="if OUT holds a run with another configuration, move it to OUT/previous-N/ and "
+        "start afresh",
+    )
+    ev.add_argument(
+        "--no-prefill-reuse",
+        action="store_true",
+        help="prefill once per job instead of once per example and score (slower, same results)",
+    )
+    ev.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ev.set_defaults(handler=run_eval_command)
+
+    pl = subparsers.add_parser(
+        "plot",
+        help="figures of an eval folder or of an attention-error JSON file",
+        description=(
+            "PATH is a probkv eval --out folder (score and win score vs ratio, per-layer "
+            "effective compression, target vs effective ratio table) or a probkv "
+            "attention-error JSON file (error vs ratio per estimator and tau). PNG files."
+        ),
+    )
+    pl.add_argument("path", help="eval output folder, or attention-error .json file")
+    pl.add_argument(
+        "--out", help="where to write (default: the folder itself / <file>.png beside the file)"
+    )
+    pl.set_defaults(handler=run_plot_command)
+
+    # The demo's defaults are literals here so that `probkv --help` imports no torch;
+    # tests/eval/test_commands.py checks they equal probkv.eval.demo's constants.
+    de = subparsers.add_parser(
+        "demo",
+        help="side-by-side demo on the default model: full, top-k and probabilistic eviction",
+        description=(
+            "Full cache, SnapKV and StreamingLLM (top-k), and probabilistic eviction with the "
+            "min-h proposal with and without correction (and with the global budget), at "
+            "r = 0.5 on three generated needle tasks (niah_single_1, niah_single_2, "
+            "niah_multikey_1). Prints the table and writes the figures into the output "
+            "folder. Interrupted, it resumes; delete the output folder to start over."
+        ),
+    )
+    de.add_argument(
+        "--model", default=DEFAULT_MODEL, help=f"name, .gguf or folder (default {DEFAULT_MODEL})"
+    )
+    de.add_argument("--out", default=DEMO_OUT, help=f"output folder (default {DEMO_OUT})")
+    de.add_argument(
+        "--workers",
+        type=positive_int,
+        default=DEMO_WORKERS,
+        help=f"processes, each with --threads threads (default {DEMO_WORKERS})",
+    )
+    de.add_argument(
+        "--per-task",
+        type=positive_int,
+        default=DEMO_PER_TASK,
+        help=f"examples per task (default {DEMO_PER_TASK})",
+    )
+    de.add_argument(
+        "--length",
+        type=positive_int,
+        default=DEMO_LENGTH,
+        help=f"prompt length in tokens (default {DEMO_LENGTH})",
+    )
+    de.add_argument("--no-progress", action="store_true", help="no progress bar")
+    de.set_defaults(handler=run_demo_command)
+
+
+def run_eval_command(args: argparse.Namespace) -> int:
+    """``probkv eval``: build the configuration (everything checked first), run, summarise."""
+    from probkv.eval.runner import SUMMARY_JSON, SUMMARY_MD, RunConfig, run_eval, summary_markdown
+    from probkv.eval.tasks import TASK_NAMES
+
+    if args.tasks is not None and args.lengths is None:
+        raise ValueError("--tasks needs --lengths (prompt lengths in tokens), e.g. 2048,4096")
+    if args.data is not None and args.lengths is not None:
+        raise ValueError("--lengths applies to generated --tasks, not to --data")
+    tasks = () if args.tasks is None else tuple(args.tasks)
+    if tasks == ("all",):
+        tasks = tuple(TASK_NAMES)
+    config = RunConfig(
+        model=args.model,
+        methods=tuple(args.methods),
+        ratios=tuple(args.ratios),
+        data=args.data,
+        data_format=args.data_format,
+        tasks=tasks,
+        lengths=tuple(args.lengths or ()),
+        per_task=args.per_task,
+        seed=args.seed,
+        question_aware=args.question_aware,
+        max_examples=args.max_examples,
+    )
+    start = time.perf_counter()
+    report = run_eval(
+        config,
+        args.out,
+        workers=args.workers,
+        threads=args.threads,
+        force=args.force,
+        reuse_prefill=not args.no_prefill_reuse,
+        progress=not args.no_progress,
+    )
+    print(summary_markdown(report.summary))
+    out = Path(args.out)
+    print(
+        f"{report.jobs_run} jobs run, {report.jobs_skipped} already done, "
+        f"{report.jobs_total} in all ({time.perf_counter() - start:.0f} s). Wrote "
+        f"{out / SUMMARY_MD} and {out / SUMMARY_JSON}; figures: probkv plot {out}"
+    )
+    return 0
+
+
+def run_plot_command(args: argparse.Namespace) -> int:
+    """``probkv plot``: a run folder's figures, or an attention-error file's figure."""
+    from probkv.eval.plots import plot_attention_error_file, plot_run
+
+    path = Path(args.path)
+    if path.is_dir():
+        figures = plot_run(path, args.out)
+        for p in figures.paths:
+            print(f"wrote {p}")
+        for note in figures.skipped:
+            print(f"skipped {note}", file=sys.stderr)
+        return 0
+    if path.is_file():
+        print(f"wrote {plot_attention_error_file(path, args.out)}")
+        return 0
+    raise ValueError(f"{str(path)!r} is neither an eval output folder nor a JSON file")
+
+
+def run_demo_command(args: argparse.Namespace) -> int:
+    """``probkv demo``: run, print the table, say where the figures are."""
+    from probkv.eval import demo
+
+    start = time.perf_counter()
+    report, figures = demo.run_demo(
+        args.out,
+        model=args.model,
+        workers=args.workers,
+        threads=args.threads,
+        length=args.length,
+        per_task=args.per_task,
+        progress=not args.no_progress,
+    )
+    summary = report.summary
+    print(
+        f"\nprobkv demo: {summary['model']}, r = {demo.DEMO_RATIO}, "
+        f"{summary['num_examples']} examples ({', '.join(summary['tasks'])}), "
+        "question-agnostic eviction, greedy decoding\n"
+    )
+    print(demo.demo_table(summary))
+    print(
+        "Scores: fraction of the needle values found in the answer (RULER string_match_all). "
+        "Effective r: fraction of the prompt's cache entries evicted (mean ± std over "
+        "examples)."
+    )
+    for note in figures.skipped:
+        print(f"skipped {note}", file=sys.stderr)
+    out = Path(args.out)
+    print(
+        f"\nResults: {out / 'results.jsonl'}; summary: {out / 'summary.md'}; figures "
+        f"({len(figures.paths)}): {', '.join(str(p) for p in figures.paths)}. "
+        f"{report.jobs_run} jobs run, {report.jobs_skipped} resumed, "
+        f"{time.perf_counter() - start:.0f} s."
+    )
+    return 0

@@ -1,0 +1,584 @@
+"""Figures of an evaluation run and of the attention-error experiment (SPEC S7), as PNG files.
+
+From a run's summary (:func:`probkv.eval.runner.summarize`):
+
+- :func:`plot_scores`: average total score vs target compression ratio, one line per method,
+  ``full`` as a dashed reference line; :func:`plot_scores_by_task`: the same per task.
+- :func:`plot_win_scores`: win score vs ratio (S7; eviction methods only).
+- :func:`plot_layer_ratios`: per-layer effective compression ratio of methods whose layers
+  get different budgets (global scope, S3; PyramidKV, S5): x = layer, y = effective ratio, one
+  line per target ratio with a band of +- 1 std over examples (the paper's Figure 9).
+- :func:`plot_compression_table`: target vs effective compression ratio, mean +- std over
+  examples (the paper's Appendix F.2, Table 1), as a table image.
+
+From an attention-error file (``probkv attention-error``, ``{"header": ..., "rows": [...]}``):
+:func:`plot_attention_error`: mean absolute error vs ratio, one line per estimator (and
+``tau`` for the corrected one), error bars = std over seeds, one panel per ``step`` value.
+
+:func:`plot_run` and :func:`plot_attention_error_file` are what ``probkv plot`` calls. Figures
+are drawn with matplotlib's object API on the Agg canvas (no pyplot, no global state).
+Every function refuses empty input with a ValueError that says what is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+FULL = "full"
+DPI = 150
+_FONT = {"title": 12, "label": 11, "tick": 10, "legend": 9}
+_REFERENCE_STYLE = {"color": "black", "linestyle": "--", "linewidth": 1.3}
+
+
+def _figure(width: float, height: float):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=DPI)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _save(fig, path: str | os.PathLike[str]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png", bbox_inches="tight")
+    return path
+
+
+def _style_axes(ax, xlabel: str, ylabel: str) -> None:
+    ax.set_xlabel(xlabel, fontsize=_FONT["label"])
+    ax.set_ylabel(ylabel, fontsize=_FONT["label"])
+    ax.tick_params(labelsize=_FONT["tick"])
+    ax.grid(True, alpha=0.3)
+
+
+def _legend(ax, handles_count: int) -> None:
+    if handles_count > 6:  # many entries: outside, to the right
+        ax.legend(fontsize=_FONT["legend"], loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    else:
+        ax.legend(fontsize=_FONT["legend"], loc="best")
+
+
+def _colors(n: int) -> list:
+    from matplotlib import colormaps
+
+    cmap = colormaps["tab10" if n <= 10 else "tab20"]
+    return [cmap(i % cmap.N) for i in range(n)]
+
+
+def run_title(summary: Mapping[str, Any], what: str) -> str:
+    """``"<what> — <model>, <T> tasks, <N> examples"`` (+ question-aware)."""
+    tasks = summary.get("tasks") or {}
+    mode = ", question-aware" if summary.get("question_aware") else ""
+    model = Path(str(summary.get("model") or "model")).name
+    return (
+        f"{what}\n{model}: {len(tasks)} task{'s' * (len(tasks) != 1)}, "
+        f"{summary.get('num_examples', 0)} examples{mode}"
+    )
+
+
+def _check_summary(summary: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    if not isinstance(summary, Mapping) or not summary.get("entries"):
+        raise ValueError(
+            "the summary has no entries (no finished jobs); run probkv eval first "
+            "(summary = probkv.eval.runner.summarize(rows))"
+        )
+    return list(summary["entries"])
+
+
+def _eviction_methods(summary: Mapping[str, Any]) -> list[str]:
+    return [m for m in summary.get("methods", []) if m != FULL]
+
+
+def _method_colors(summary: Mapping[str, Any]) -> dict[str, Any]:
+    methods = _eviction_methods(summary)
+    return dict(zip(methods, _colors(len(methods))))
+
+
+def _full_entry(entries: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    return next((e for e in entries if e["method"] == FULL), None)
+
+
+def _ratio_axis(ax, ratios: Sequence[float]) -> None:
+    ax.set_xticks(list(ratios))
+    ax.set_xticklabels([f"{r:g}" for r in ratios])
+    lo, hi = min(ratios), max(ratios)
+    pad = 0.05 if hi == lo else (hi - lo) * 0.08
+    ax.set_xlim(lo - pad, hi + pad)
+
+
+def _bars(ax, groups: Sequence[str], series: Sequence[tuple[str, Any, Sequence[float | None]]]):
+    """Grouped bars: one group per ``groups`` entry, one bar per series ``(label, color,
+    values)``, each bar labelled with its value (used when a run has a single ratio, where
+    lines would be single points on top of each other)."""
+    n = max(len(series), 1)
+    width = 0.8 / n
+    for k, (label, color, values) in enumerate(series):
+        xs = [i - 0.4 + width * (k + 0.5) for i in range(len(groups))]
+        kept = [(x, v) for x, v in zip(xs, values) if v is not None]
+        if not kept:
+            continue
+        bars = ax.bar(
+            [x for x, _ in kept], [v for _, v in kept], width=width * 0.92, color=color, label=label
+        )
+        if len(kept) * n <= 24:  # value labels while they fit
+            ax.bar_label(bars, fmt="%.2f", fontsize=8, padding=1)
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels(groups, fontsize=_FONT["tick"])
+    ax.set_ylim(0, 1.12)
+
+
+def _series(summary: Mapping[str, Any], values) -> list[tuple[str, Any, list[float | None]]]:
+    """Bar series of every method (``full`` first, in grey) for :func:`_bars`; ``values(method)``
+    gives the method's bar heights, one per group."""
+    entries = _check_summary(summary)
+    out = []
+    if _full_entry(entries) is not None:
+        out.append(("full (no eviction)", "0.45", FULL))
+    out += [(m, c, m) for m, c in _method_colors(summary).items()]
+    return [(label, color, values(method)) for label, color, method in out]
+
+
+def _single_ratio(entries: Sequence[Mapping[str, Any]]) -> float | None:
+    ratios = {e["ratio"] for e in entries if e["method"] != FULL}
+    return next(iter(ratios)) if len(ratios) == 1 else None
+
+
+def plot_scores(summary: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
+    """Average total score (S7) vs target compression ratio, one line per method; ``full`` is
+    a dashed horizontal reference. With a single ratio: one bar per method. Returns the path."""
+    entries = _check_summary(summary)
+    colors = _method_colors(summary)
+    fig = _figure(7.5, 4.6)
+    ax = fig.add_subplot()
+    single = _single_ratio(entries)
+    if single is not None:
+        by_method = {e["method"]: e["average_total"] for e in entries}
+        series = _series(summary, lambda m: [by_method.get(m)])
+        _bars(ax, [f"r = {single:g}"], series)
+        _style_axes(ax, "target compression ratio (fraction evicted)", "average total score")
+        ax.set_title(run_title(summary, "Task score"), fontsize=_FONT["title"])
+        _legend(ax, 99)  # outside: bars fill the axes
+        return _save(fig, path)
+    count = 0
+    full = _full_entry(entries)
+    if full is not None:
+        ax.axhline(full["average_total"], label="full (no eviction)", **_REFERENCE_STYLE)
+        count += 1
+    for method, color in colors.items():
+        pts = sorted((e["ratio"], e["average_total"]) for e in entries if e["method"] == method)
+        if pts:
+            ax.plot(*zip(*pts), marker="o", color=color, label=method, linewidth=1.8)
+            count += 1
+    _ratio_axis(ax, sorted({e["ratio"] for e in entries if e["method"] != FULL}) or [0.0])
+    ax.set_ylim(-0.03, 1.03)
+    _style_axes(ax, "target compression ratio r (fraction evicted)", "average total score")
+    ax.set_title(run_title(summary, "Task score vs compression"), fontsize=_FONT["title"])
+    _legend(ax, count)
+    return _save(fig, path)
+
+
+def plot_scores_by_task(summary: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
+    """Mean score per task vs ratio: one panel per task, one line per method. With a single
+    ratio: one group of bars per task."""
+    entries = _check_summary(summary)
+    tasks = list(summary.get("tasks") or {})
+    if not tasks:
+        raise ValueError("the summary lists no tasks")
+    single = _single_ratio(entries)
+    if single is not None:
+        by_method = {e["method"]: e["task_scores"] for e in entries}
+        fig = _figure(max(7.5, 1.1 * len(tasks) * (len(by_method) ** 0.5) + 3), 4.8)
+        ax = fig.add_subplot()
+        series = _series(summary, lambda m: [by_method.get(m, {}).get(t) for t in tasks])
+        _bars(ax, [f"{t}\n({summary['tasks'][t]} ex.)" for t in tasks], series)
+        _style_axes(ax, "task", "mean score")
+        ax.set_title(run_title(summary, f"Score per task, r = {single:g}"), fontsize=_FONT["title"])
+        _legend(ax, 99)
+        return _save(fig, path)
+    colors = _method_colors(summary)
+    ratios = sorted({e["ratio"] for e in entries if e["method"] != FULL}) or [0.0]
+    ncols = min(3, len(tasks))
+    nrows = math.ceil(len(tasks) / ncols)
+    fig = _figure(4.2 * ncols + 1.8, 3.3 * nrows + 0.9)
+    axes = [fig.add_subplot(nrows, ncols, i + 1) for i in range(len(tasks))]
+    full = _full_entry(entries)
+    for ax, task in zip(axes, tasks):
+        if full is not None and task in full["task_scores"]:
+            ax.axhline(full["task_scores"][task], label="full (no eviction)", **_REFERENCE_STYLE)
+        for method, color in colors.items():
+            pts = sorted(
+                (e["ratio"], e["task_scores"][task])
+                for e in entries
+                if e["method"] == method and task in e["task_scores"]
+            )
+            if pts:
+                ax.plot(*zip(*pts), marker="o", color=color, label=method, linewidth=1.6)
+        _ratio_axis(ax, ratios)
+        ax.set_ylim(-0.03, 1.03)
+        _style_axes(ax, "ratio r", "score")
+        ax.set_title(f"{task} ({summary['tasks'][task]} ex.)", fontsize=_FONT["label"])
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(
+        handles, labels, fontsize=_FONT["legend"], loc="upper left", bbox_to_anchor=(1.0, 0.95)
+    )
+    fig.suptitle(run_title(summary, "Score per task vs compression"), fontsize=_FONT["title"])
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_win_scores(summary: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
+    """Win score (S7) vs ratio, one line per eviction method (one bar each with one ratio)."""
+    _check_summary(summary)
+    win = summary.get("win_scores") or []
+    if not win:
+        raise ValueError(
+            "the summary has no win scores: they need at least 2 eviction methods (besides "
+            "full) that finished the same examples at a ratio"
+        )
+    colors = _method_colors(summary)
+    fig = _figure(7.5, 4.6)
+    ax = fig.add_subplot()
+    ylabel = "win score (0 worst, 1 best)"
+    if len(win) == 1:
+        (only,) = win
+        series = [(m, c, [only["scores"].get(m)]) for m, c in colors.items()]
+        _bars(ax, [f"r = {only['ratio']:g} ({only['num_examples']} examples)"], series)
+        _style_axes(ax, "target compression ratio (fraction evicted)", ylabel)
+        ax.set_title(run_title(summary, "Win score"), fontsize=_FONT["title"])
+        _legend(ax, 99)  # outside: bars fill the axes
+        return _save(fig, path)
+    count = 0
+    for method, color in colors.items():
+        pts = sorted((w["ratio"], w["scores"][method]) for w in win if method in w["scores"])
+        if pts:
+            ax.plot(*zip(*pts), marker="o", color=color, label=method, linewidth=1.8)
+            count += 1
+    _ratio_axis(ax, [w["ratio"] for w in win])
+    ax.set_ylim(-0.03, 1.03)
+    _style_axes(ax, "target compression ratio r (fraction evicted)", ylabel)
+    ax.set_title(run_title(summary, "Win score vs compression"), fontsize=_FONT["title"])
+    _legend(ax, count)
+    return _save(fig, path)
+
+
+def varies_by_layer(method: str) -> bool:
+    """Whether ``method`` gives layers different budgets: the global scope (S3) or PyramidKV
+    layer budgets (S5). Names that no longer parse count as False."""
+    from probkv.policies import parse_method
+
+    try:
+        policy = parse_method(method, 0.5)
+    except ValueError:
+        return False
+    return getattr(policy, "scope", None) == "global" or (
+        getattr(policy, "layer_budgets", None) == "pyramid"
+    )
+
+
+def plot_layer_ratios(
+    summary: Mapping[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    methods: Sequence[str] | None = None,
+) -> Path:
+    """Per-layer effective compression ratio (the paper's Figure 9): one panel per method
+    (default: those whose layer budgets differ, :func:`varies_by_layer`), x = layer, one line
+    per target ratio (band: +- 1 std over examples; dotted: the target)."""
+    _check_summary(summary)
+    layers = summary.get("layers") or []
+    if methods is None:
+        methods = [m for m in _eviction_methods(summary) if varies_by_layer(m)]
+    chosen = [m for m in methods if any(item["method"] == m for item in layers)]
+    if not chosen:
+        raise ValueError(
+            "no per-layer ratios to plot: run a method whose layers get different budgets, "
+            "e.g. prob:min-h/scope=global or pyramidkv (summary 'layers' has "
+            f"{sorted({item['method'] for item in layers})})"
+        )
+    from matplotlib.ticker import MaxNLocator
+
+    ncols = min(2, len(chosen))
+    nrows = math.ceil(len(chosen) / ncols)
+    fig = _figure(6.2 * ncols + 1.6, 3.8 * nrows + 0.9)
+    ratios = sorted({item["ratio"] for item in layers if item["method"] in chosen})
+    colors = dict(zip(ratios, _colors(len(ratios))))
+    for k, method in enumerate(chosen):
+        ax = fig.add_subplot(nrows, ncols, k + 1)
+        for item in sorted((i for i in layers if i["method"] == method), key=lambda i: i["ratio"]):
+            x = item["layer"]
+            mean = item["effective_ratio_mean"]
+            std = item["effective_ratio_std"]
+            color = colors[item["ratio"]]
+            ax.plot(x, mean, marker=".", color=color, label=f"r = {item['ratio']:g}")
+            ax.fill_between(
+                x,
+                [m - s for m, s in zip(mean, std)],
+                [m + s for m, s in zip(mean, std)],
+                color=color,
+                alpha=0.2,
+                linewidth=0,
+            )
+            ax.axhline(item["ratio"], color=color, linestyle=":", linewidth=1)
+        ax.set_ylim(-0.03, 1.03)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        _style_axes(ax, "layer", "effective compression ratio")
+        ax.set_title(method, fontsize=_FONT["label"])
+        ax.legend(fontsize=_FONT["legend"], loc="best", title="target", title_fontsize=9)
+    fig.suptitle(
+        run_title(summary, "Per-layer effective compression (dotted: target r)"),
+        fontsize=_FONT["title"],
+    )
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def compression_rows(summary: Mapping[str, Any]) -> list[list[str]]:
+    """Rows of the target vs effective compression table (Appendix F.2): method, target r,
+    effective r (mean +- std over examples), cache size (mean), examples."""
+    from probkv.eval.runner import format_bytes
+
+    entries = _check_summary(summary)
+    return [
+        [
+            "full (no eviction)" if e["method"] == FULL else e["method"],
+            f"{e['ratio']:g}",
+            f"{e['effective_ratio_mean']:.3f} ± {e['effective_ratio_std']:.3f}",
+            format_bytes(e["cache_bytes_mean"]),
+            str(e["num_examples"]),
+        ]
+        for e in entries
+    ]
+
+
+def plot_compression_table(summary: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
+    """The target vs effective compression table (Appendix F.2) as an image."""
+    rows = compression_rows(summary)
+    header = ["method", "target r", "effective r (mean ± std)", "cache", "examples"]
+    width = max(8.0, 0.09 * max(len(r[0]) for r in rows) + 6.0)
+    fig = _figure(width, 0.3 * (len(rows) + 1) + 0.7)
+    ax = fig.add_subplot()
+    ax.axis("off")
+    table = ax.table(cellText=rows, colLabels=header, loc="center", cellLoc="center")
+    table.auto_set_font_size(False)
+    table.set_fontsize(10)
+    table.auto_set_column_width(list(range(len(header))))
+    table.scale(1.0, 1.35)
+    for (r, _c), cell in table.get_celld().items():
+        if r == 0:
+            cell.set_text_props(weight="bold")
+            cell.set_facecolor("#e8e8e8")
+    ax.set_title(
+        run_title(summary, "Target vs effective compression ratio (Appendix F.2)"),
+        fontsize=_FONT["title"],
+    )
+    return _save(fig, path)
+
+
+# -- attention error ------------------------------------------------------------------------------
+
+_AE_REQUIRED = ("ratio", "estimator", "mae_mean", "mae_std")
+
+
+def attention_error_rows(data: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """``(rows, header)`` of an attention-error result: ``{"header": ..., "rows": [...]}`` or a
+    plain list of rows. Each row needs ``ratio``, ``estimator``, ``mae_mean``, ``mae_std``
+    (``tau``, ``step``, ``proposal``, ``weights``, ``sampler`` optional)."""
+    header: dict[str, Any] = {}
+    if isinstance(data, Mapping):
+        header = dict(data.get("header") or {})
+        rows = data.get("rows")
+    else:
+        rows = data
+    if not isinstance(rows, Sequence) or isinstance(rows, (str, bytes)) or not rows:
+        raise ValueError(
+            "no attention-error rows: expected {'header': ..., 'rows': [...]} or a list of "
+            "rows with ratio, estimator, mae_mean, mae_std"
+        )
+    for i, row in enumerate(rows):
+        if not isinstance(row, Mapping):
+            raise ValueError(f"attention-error row {i} must be an object, got {row!r}")
+        missing = [k for k in _AE_REQUIRED if k not in row]
+        if missing:
+            raise ValueError(f"attention-error row {i} lacks the field(s) {missing}: {row!r}")
+    return [dict(r) for r in rows], header
+
+
+def estimator_label(row: Mapping[str, Any]) -> str:
+    """Legend label of an attention-error row's estimator."""
+    est = row["estimator"]
+    proposal = row.get("proposal") or "proposal"
+    sampler = " pps" if row.get("sampler") == "pps" else ""
+    if est == "topk":
+        return "H2O top-k"
+    if est == "topk_proposal":
+        return f"top-k of {proposal}"
+    if est == "uncorrected":
+        return f"{proposal}{sampler} uncorrected"
+    if est == "corrected":
+        weights = row.get("weights")
+        scheme = "" if not weights or weights == "pps" else f" {weights}"
+        return f"{proposal}{sampler}{scheme} τ={row.get('tau'):g}"
+    return str(est)
+
+
+_ESTIMATOR_ORDER = ("topk", "topk_proposal", "uncorrected", "corrected")
+
+
+def _series_key(row: Mapping[str, Any]) -> tuple:
+    """One line per estimator configuration (and tau)."""
+    return tuple(row.get(k) for k in ("estimator", "proposal", "weights", "sampler", "tau"))
+
+
+def _series_order(key: tuple) -> tuple:
+    est = _ESTIMATOR_ORDER.index(key[0]) if key[0] in _ESTIMATOR_ORDER else len(_ESTIMATOR_ORDER)
+    tau = key[4] if isinstance(key[4], (int, float)) else -1.0
+    return (est, str(key[1:4]), tau)
+
+
+def _step_order(step: Any) -> tuple:
+    if step is None:
+        return (0, 0, "")
+    if isinstance(step, int):
+        return (1, step, "")
+    return (2, 0, str(step))
+
+
+def _step_title(step: Any) -> str:
+    if step is None:
+        return "decode step not given"
+    if isinstance(step, int):
+        return f"decode step {step} (per layer, not compounded)"
+    return f"decode steps {step} (averaged, compounded)"
+
+
+def plot_attention_error(data: Any, path: str | os.PathLike[str]) -> Path:
+    """Attention error (S7, paper Eq. 11 / Figure 2) vs ratio: one line per estimator (and
+    tau), error bars = std over seeds, one panel per ``step``; log y axis when the errors
+    span more than a factor 20."""
+    rows, header = attention_error_rows(data)
+    steps = sorted({r.get("step") for r in rows}, key=_step_order)
+    series: dict[tuple, list[dict[str, Any]]] = {}
+    for r in rows:
+        series.setdefault(_series_key(r), []).append(r)
+    keys = sorted(series, key=_series_order)
+    fixed = {"topk": "black", "topk_proposal": "tab:gray", "uncorrected": "tab:red"}
+    corrected = [k for k in keys if k[0] == "corrected"]
+    from matplotlib import colormaps
+
+    ramp = colormaps["viridis"]
+    shades = {k: ramp(0.05 + 0.8 * i / max(len(corrected) - 1, 1)) for i, k in enumerate(corrected)}
+    fig = _figure(6.4 * len(steps) + 2.6, 4.8)
+    first_ax = None
+    for j, step in enumerate(steps):
+        ax = fig.add_subplot(1, len(steps), j + 1, sharey=first_ax)
+        first_ax = first_ax or ax
+        values = []
+        for key in keys:
+            pts = sorted(
+                (r["ratio"], r["mae_mean"], r["mae_std"])
+                for r in series[key]
+                if r.get("step") == step
+            )
+            if not pts:
+                continue
+            x, y, err = zip(*pts)
+            values += [v for v in y if v > 0]
+            ax.errorbar(
+                x,
+                y,
+                yerr=err,
+                marker="o",
+                markersize=4,
+                capsize=3,
+                linestyle="--" if key[0] in ("topk", "topk_proposal") else "-",
+                color=shades.get(key, fixed.get(key[0], "tab:blue")),
+                label=estimator_label(series[key][0]),
+            )
+        if values and max(values) / min(values) > 20:
+            ax.set_yscale("log")
+        _ratio_axis(ax, sorted({r["ratio"] for r in rows}))
+        _style_axes(ax, "compression ratio r (fraction evicted)", "attention MAE (mean over heads)")
+        ax.set_title(_step_title(step), fontsize=_FONT["label"])
+    handles, labels = first_ax.get_legend_handles_labels()
+    fig.legend(
+        handles, labels, fontsize=_FONT["legend"], loc="upper left", bbox_to_anchor=(1.0, 0.9)
+    )
+    prompt = header.get("prompt") or {}
+    bits = [Path(str(header["model"])).name] if header.get("model") else []
+    if prompt.get("prompt_tokens"):
+        bits.append(f"{prompt['prompt_tokens']}-token prompt")
+    seeds = {r.get("seeds") for r in rows if r.get("seeds")}
+    if seeds:
+        bits.append(f"{max(seeds)} seeds")
+    fig.suptitle(
+        "Attention error vs compression (error bars: std over seeds)"
+        + (f"\n{', '.join(bits)}" if bits else ""),
+        fontsize=_FONT["title"],
+    )
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+# -- whole runs ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Figures:
+    """The PNG files written, and why any figure was skipped."""
+
+    paths: list[Path] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+
+def plot_summary(summary: Mapping[str, Any], out_dir: str | os.PathLike[str]) -> Figures:
+    """Every run figure that applies to ``summary``, written into ``out_dir``."""
+    _check_summary(summary)
+    out = Path(out_dir)
+    figures = Figures()
+    makers = [
+        ("score_vs_ratio.png", plot_scores),
+        ("score_vs_ratio_by_task.png", plot_scores_by_task),
+        ("win_score_vs_ratio.png", plot_win_scores),
+        ("layer_effective_ratio.png", plot_layer_ratios),
+        ("compression_ratio_table.png", plot_compression_table),
+    ]
+    for name, maker in makers:
+        try:
+            figures.paths.append(maker(summary, out / name))
+        except ValueError as err:
+            figures.skipped.append(f"{name}: {err}")
+    return figures
+
+
+def plot_run(
+    run_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str] | None = None
+) -> Figures:
+    """The figures of an evaluation run folder (from its results, so a partial run plots
+    too), written into ``out_dir`` (default: the run folder)."""
+    from probkv.eval.runner import load_run, summarize
+
+    rows, config = load_run(run_dir)
+    if not rows:
+        raise ValueError(f"{run_dir} has no finished jobs in its results yet")
+    summary = summarize(rows, config=config)
+    return plot_summary(summary, run_dir if out_dir is None else out_dir)
+
+
+def plot_attention_error_file(
+    path: str | os.PathLike[str], out: str | os.PathLike[str] | None = None
+) -> Path:
+    """Plot an attention-error JSON file into ``out`` (default: beside it, ``<name>.png``)."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"cannot read {path} as JSON ({err})") from None
+    return plot_attention_error(data, path.with_suffix(".png") if out is None else out)

@@ -1,0 +1,81 @@
+"""``probkv demo`` (issue 6 item 6): its configuration, its table, and a run on a tiny model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from probkv.eval import demo
+from probkv.eval import runner as rn
+from probkv.models import DEFAULT_MODEL
+from probkv.testing import tiny_model, tiny_tokenizer
+
+torch.set_num_threads(1)
+
+
+def test_demo_config():
+    cfg = demo.demo_config()
+    assert cfg.model == DEFAULT_MODEL
+    assert cfg.ratios == (0.5,)
+    # Full cache, two top-k baselines, min-h with and without correction (S2, S4).
+    assert {"full", "snapkv", "streaming_llm", "prob:min-h", "prob:min-h/correct=false"} <= set(
+        cfg.methods
+    )
+    assert cfg.tasks == ("niah_single_1", "niah_single_2", "niah_multikey_1")
+    assert 1000 <= cfg.lengths[0] <= 2000
+    # The global-scope variant observes what prob:min-h observes: it shares its prefill.
+    units = rn.plan_units(
+        [pytest.importorskip("probkv.eval").Example("x", "t", "c", "q", ("a",), 4)],
+        cfg.jobs_per_example(),
+    )
+    assert sorted(len(u.jobs) for u in units) == [1, 1, 1, 3]
+
+
+def test_demo_table():
+    rows = []
+    for method, score, eff in [("full", 1.0, 0.0), ("snapkv", 0.0, 0.5), ("prob:min-h", 0.5, 0.49)]:
+        rows.append(
+            {
+                "id": "e",
+                "task": "niah_single_1",
+                "method": method,
+                "ratio": 0.0 if method == "full" else 0.5,
+                "score": score,
+                "effective_ratio": eff,
+                "cache_bytes": 2**20 * (1 - eff),
+                "prefill_s": 2.0,
+                "decode_s": 1.0,
+            }
+        )
+    table = demo.demo_table(rn.summarize(rows))
+    lines = table.splitlines()
+    assert lines[0].startswith("| method | niah_single_1 | average | effective r | cache |")
+    assert lines[2] == "| full (no eviction) | 1.00 | 1.000 | 0.000 ± 0.000 | 1.0 MiB | 2.0 | 1.0 |"
+    assert lines[4] == "| prob:min-h | 0.50 | 0.500 | 0.490 ± 0.000 | 522.2 KiB | 2.0 | 1.0 |"
+
+
+def test_run_demo_on_a_tiny_model(tmp_path, capsys):
+    folder = tmp_path / "tiny"
+    tiny_model("llama", max_position_embeddings=4096).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    out = tmp_path / "demo-out"
+    report, figures = demo.run_demo(
+        out, model=str(folder), workers=1, length=500, per_task=1, progress=False
+    )
+    assert report.jobs_total == report.jobs_run == 3 * (1 + (len(demo.DEMO_METHODS) - 1))
+    names = sorted(p.name for p in figures.paths)
+    assert names == [
+        "compression_ratio_table.png",
+        "layer_effective_ratio.png",
+        "score_vs_ratio.png",
+        "score_vs_ratio_by_task.png",
+        "win_score_vs_ratio.png",
+    ]
+    assert all(p.parent == out and p.stat().st_size > 0 for p in figures.paths)
+    assert (out / rn.SUMMARY_MD).is_file()
+    # Run again with other settings: the old run is moved aside, not mixed in or lost.
+    again, _ = demo.run_demo(
+        out, model=str(folder), workers=1, length=500, per_task=2, progress=False
+    )
+    assert again.jobs_skipped == 0 and again.jobs_total == 2 * report.jobs_total
+    assert (out / "previous-1" / rn.RESULTS_FILE).is_file()

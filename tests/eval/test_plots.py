@@ -1,0 +1,245 @@
+"""Figures (SPEC S7): every plot writes a valid PNG of a sensible size, and refuses empty input
+with an error that says what is missing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from probkv.eval import plots
+from probkv.eval import runner as rn
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def rows():
+    """Results rows of 2 tasks x 3 examples: full, snapkv and a global-scope method at two
+    ratios, with per-layer ratios for the evicting methods."""
+    out = []
+    for i, (task, base) in enumerate([("A", 1.0), ("A", 0.5), ("B", 0.0)]):
+        out.append(
+            {
+                "id": f"e{i}",
+                "task": task,
+                "method": "full",
+                "ratio": 0.0,
+                "score": base,
+                "effective_ratio": 0.0,
+                "cache_bytes": 1000,
+                "prefill_s": 1.0,
+                "decode_s": 1.0,
+                "model": "tiny",
+            }
+        )
+        for method in ("snapkv", "prob:min-h/scope=global"):
+            for r in (0.25, 0.5, 0.75):
+                layers = [
+                    {
+                        "layer": k,
+                        "effective_ratio": r + (0.1 if method != "snapkv" else 0) * (1 - k),
+                    }
+                    for k in range(3)
+                ]
+                out.append(
+                    {
+                        "id": f"e{i}",
+                        "task": task,
+                        "method": method,
+                        "ratio": r,
+                        "score": base * (1 - r) if method == "snapkv" else base * (1 - r / 2),
+                        "effective_ratio": sum(x["effective_ratio"] for x in layers) / 3,
+                        "cache_bytes": 1000 * (1 - r),
+                        "prefill_s": 1.0,
+                        "decode_s": 1.0,
+                        "model": "tiny",
+                        "layers": layers,
+                    }
+                )
+    return out
+
+
+@pytest.fixture
+def summary():
+    return rn.summarize(
+        rows(), config={"model": "tiny", "methods": ["full", "snapkv", "prob:min-h/scope=global"]}
+    )
+
+
+def ae_data(steps=(1, "1..4")):
+    out = []
+    for step in steps:
+        for r in (0.25, 0.5, 0.9):
+            out.append(
+                {
+                    "ratio": r,
+                    "estimator": "topk",
+                    "tau": None,
+                    "mae_mean": 0.05 * r,
+                    "mae_std": 0.0,
+                    "step": step,
+                    "proposal": "h2o",
+                }
+            )
+            out.append(
+                {
+                    "ratio": r,
+                    "estimator": "uncorrected",
+                    "tau": None,
+                    "mae_mean": 0.01 * r,
+                    "mae_std": 0.001,
+                    "step": step,
+                    "proposal": "min-h",
+                    "sampler": "with_replacement",
+                }
+            )
+            for tau in (1, 2, 50):
+                out.append(
+                    {
+                        "ratio": r,
+                        "estimator": "corrected",
+                        "tau": tau,
+                        "mae_mean": 0.008 * r,
+                        "mae_std": 0.001,
+                        "step": step,
+                        "proposal": "min-h",
+                        "weights": "inclusion",
+                        "sampler": "with_replacement",
+                        "seeds": 3,
+                    }
+                )
+    return {"header": {"model": "smollm2-135m", "prompt": {"prompt_tokens": 157}}, "rows": out}
+
+
+def assert_png(path, min_width=600):
+    from matplotlib.image import imread
+
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE
+    image = imread(path)
+    assert image.shape[1] >= min_width and image.shape[0] >= 300
+    # Not blank: a figure with axes, lines and text has many distinct colours.
+    assert len({tuple(px) for px in image[::7, ::7].reshape(-1, image.shape[2]).tolist()}) > 5
+
+
+@pytest.mark.parametrize(
+    "maker",
+    [
+        plots.plot_scores,
+        plots.plot_scores_by_task,
+        plots.plot_win_scores,
+        plots.plot_layer_ratios,
+        plots.plot_compression_table,
+    ],
+)
+def test_run_figures_are_pngs(summary, tmp_path, maker):
+    path = maker(summary, tmp_path / "sub" / "fig.png")
+    assert path == tmp_path / "sub" / "fig.png"
+    assert_png(path)
+
+
+@pytest.mark.parametrize(
+    "maker",
+    [
+        plots.plot_scores,
+        plots.plot_scores_by_task,
+        plots.plot_win_scores,
+        plots.plot_layer_ratios,
+        plots.plot_compression_table,
+    ],
+)
+def test_run_figures_reject_empty(tmp_path, maker):
+    for empty in ({}, {"entries": []}, None):
+        with pytest.raises(ValueError, match="no entries"):
+            maker(empty, tmp_path / "x.png")
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_figures_that_do_not_apply_say_why(summary, tmp_path):
+    only_full_and_one = rn.summarize([r for r in rows() if r["method"] in ("full", "snapkv")])
+    with pytest.raises(ValueError, match="at least 2 eviction methods"):
+        plots.plot_win_scores(only_full_and_one, tmp_path / "w.png")
+    with pytest.raises(ValueError, match=r"scope=global or pyramidkv .*'snapkv'"):
+        plots.plot_layer_ratios(only_full_and_one, tmp_path / "l.png")
+    # Explicit methods override the default choice.
+    assert_png(plots.plot_layer_ratios(only_full_and_one, tmp_path / "l.png", methods=["snapkv"]))
+    figures = plots.plot_summary(only_full_and_one, tmp_path / "all")
+    assert sorted(p.name for p in figures.paths) == [
+        "compression_ratio_table.png",
+        "score_vs_ratio.png",
+        "score_vs_ratio_by_task.png",
+    ]
+    assert len(figures.skipped) == 2
+
+
+def test_varies_by_layer():
+    assert plots.varies_by_layer("prob:min-h/scope=global")
+    assert plots.varies_by_layer("pyramidkv") and plots.varies_by_layer("ada_pyramidkv")
+    assert not plots.varies_by_layer("snapkv")
+    assert not plots.varies_by_layer("prob:min-h")
+    assert not plots.varies_by_layer("no-such-method")
+
+
+def test_plot_run_reads_a_results_folder(tmp_path):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / rn.RESULTS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows()))
+    figures = plots.plot_run(folder)
+    assert len(figures.paths) == 5 and not figures.skipped
+    for p in figures.paths:
+        assert p.parent == folder
+        assert_png(p)
+    with pytest.raises(ValueError, match=r"no results\.jsonl"):
+        plots.plot_run(tmp_path)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / rn.RESULTS_FILE).write_text("")
+    with pytest.raises(ValueError, match="no finished jobs"):
+        plots.plot_run(tmp_path / "empty")
+
+
+def test_attention_error_plot(tmp_path):
+    path = tmp_path / "ae.json"
+    path.write_text(json.dumps(ae_data()))
+    out = plots.plot_attention_error_file(path)
+    assert out == tmp_path / "ae.png"
+    assert_png(out, min_width=1200)  # two panels: step 1 and steps 1..4
+    # A plain list of rows (no header), one step, works too.
+    assert_png(plots.plot_attention_error(ae_data(steps=(1,))["rows"], tmp_path / "one.png"))
+
+
+def test_attention_error_rejects_bad_input(tmp_path):
+    for empty in ([], {"rows": []}, {"header": {}}, "text"):
+        with pytest.raises(ValueError, match="no attention-error rows"):
+            plots.plot_attention_error(empty, tmp_path / "x.png")
+    with pytest.raises(ValueError, match=r"row 0 lacks the field\(s\) \['mae_std'\]"):
+        plots.plot_attention_error(
+            [{"ratio": 0.5, "estimator": "topk", "mae_mean": 0.1}], tmp_path / "x.png"
+        )
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read"):
+        plots.plot_attention_error_file(bad)
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_estimator_labels():
+    label = plots.estimator_label
+    assert label({"estimator": "topk", "proposal": "h2o"}) == "H2O top-k"
+    assert label({"estimator": "topk_proposal", "proposal": "min-h"}) == "top-k of min-h"
+    assert label({"estimator": "uncorrected", "proposal": "min-h"}) == "min-h uncorrected"
+    assert (
+        label({"estimator": "corrected", "proposal": "min-h", "weights": "counts", "tau": 2.0})
+        == "min-h counts τ=2"
+    )
+    assert (
+        label(
+            {
+                "estimator": "corrected",
+                "proposal": "min-h",
+                "weights": "pps",
+                "sampler": "pps",
+                "tau": 1,
+            }
+        )
+        == "min-h pps τ=1"
+    )
