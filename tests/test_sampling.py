@@ -542,3 +542,37 @@ def test_bad_counts_budgets_and_shapes():
 def test_module_constants():
     """The search range is Algorithm 2's [0, 1e12]; counts stay exact in float64."""
     assert sampling.MAX_SAMPLES == 10**12 and sampling.MAX_EXACT_COUNT == 2**53
+
+
+def _literal_binary_search(pi: torch.Tensor, target: float) -> int:
+    """Algorithm 2 (Appendix F) for one row, written plainly: bisect [0, 10^12] until
+    |E[J(m)] - target| <= 0.5; if no m qualifies, the closer end of the final bracket."""
+    lo, hi = 0, sampling.MAX_SAMPLES
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        value = float(expected_distinct(pi, mid))
+        if abs(value - target) <= 0.5:
+            return mid
+        if value < target:
+            lo = mid + 1
+        else:
+            hi = mid - 1
+    a, b = max(lo - 1, 0), min(lo, sampling.MAX_SAMPLES)
+    da = abs(float(expected_distinct(pi, a)) - target)
+    db = abs(float(expected_distinct(pi, b)) - target)
+    return a if da <= db else b
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    t=st.integers(1, 300),
+    ratio=st.floats(0.0, 0.99),
+    concentration=st.sampled_from([0.01, 0.1, 1.0, 10.0]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_fast_search_returns_the_literal_binary_search_m(t, ratio, concentration, seed):
+    """S3: the accelerated search replays Algorithm 2 exactly (same m, not just a valid one)."""
+    gamma = np.random.default_rng(seed).gamma(concentration, size=t) + 1e-300
+    pi = torch.tensor(gamma / gamma.sum(), dtype=torch.float64)
+    m = int(samples_for_ratio(pi.unsqueeze(0), ratio, scope="head")[0])
+    assert m == _literal_binary_search(pi, (1 - ratio) * t)

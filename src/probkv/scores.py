@@ -151,7 +151,8 @@ def _column_sums(
 
 def _value_norms(value: torch.Tensor, g: int) -> torch.Tensor:
     """``[Hq, t]`` float64 ``||v_i||_2`` of each query head's KV head."""
-    return torch.linalg.vector_norm(value.to(torch.float64), dim=-1).repeat_interleave(g, 0)
+    norms = torch.linalg.vector_norm(value, dim=-1, dtype=torch.float64)  # no float64 copy of V
+    return norms.repeat_interleave(g, 0)
 
 
 def _last_row(query: torch.Tensor, key: torch.Tensor, scale: float) -> torch.Tensor:

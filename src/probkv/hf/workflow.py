@@ -46,7 +46,7 @@ def compress(model, context_ids: torch.Tensor, policy: EvictionPolicy) -> ProbKV
     _check_prepared(model)
     ids = _as_ids(context_ids).to(model.device)
     cache = ProbKVCache(model.config, policy)
-    model(input_ids=ids, cache=cache, use_cache=True)
+    model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)  # no [t, vocab] logits
     if cache.eviction_pending:
         cache.evict()
     cache.token_ids = ids
