@@ -89,3 +89,17 @@ def test_gemma3_evicts_only_global_layers_and_matches_at_ratio_zero(gemma3, sdpa
         else:
             assert i in cache.evicting_layers
             assert cache.layers[i].physical_length() < ids.shape[1]
+
+
+def test_readme_eviction_example_runs(smollm2, capsys):
+    """The README's "Evicting a cache" block, run as written."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## Evicting a cache", 1)[1]
+    example = section.split("```python\n", 1)[1].split("```", 1)[0]
+    namespace: dict = {}
+    exec(compile(example, "README.md", "exec"), namespace)
+    assert 0.4 < namespace["cache"].effective_ratio() < 0.6
+    assert namespace["tokens"].numel() > 0
+    assert "layer_idx" in capsys.readouterr().out
