@@ -309,3 +309,33 @@ def test_unprepared_model_is_refused(tiny):
             compress(model, random_ids(model, 10, seed=15), parse_method("snapkv", ratio=0.5))
     finally:
         prepare_model(model)
+
+
+@pytest.mark.parametrize(
+    "method",
+    ["snapkv/window=8", "ada_snapkv/window=8", "prob:min-h", "prob:min-h/scope=global/sampler=pps"],
+)
+def test_observe_once_then_evict_equals_compress(tiny, method):
+    """One observed prefill, copied and evicted with a policy, keeps exactly what compress()
+    with that policy keeps (same entries, same log-weights, same random draws)."""
+    import copy
+
+    from probkv.hf import observe
+
+    model = tiny
+    ids = random_ids(model, 60, seed=16)
+    policy = parse_method(method, ratio=0.5)
+    observed = observe(model, ids, policy.score, policy.score_params)
+    with pytest.raises(ValueError, match="evict"):  # observing alone never evicts
+        copy.deepcopy(observed).evict()
+    ours = copy.deepcopy(observed)
+    ours.evict(policy)
+    ref = compress(model, ids, policy)
+    assert [r.as_dict() for r in ours.reports()] == [r.as_dict() for r in ref.reports()]
+    for i in ref.evicting_layers:
+        a, b = ours.layers[i].prefix, ref.layers[i].prefix
+        assert a.lengths == b.lengths
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        assert (a.log_weights is None) == (b.log_weights is None)
+        if a.log_weights is not None:
+            assert torch.equal(a.log_weights, b.log_weights)

@@ -242,32 +242,6 @@ def test_shared_prefill_equals_compress(arch_dir, data_file, tmp_path, request):
     assert fast.jobs_run == slow.jobs_run == len(fast_rows)
 
 
-@pytest.mark.parametrize(
-    "method", ["snapkv", "ada_snapkv", "prob:min-h", "prob:min-h/scope=global/sampler=pps"]
-)
-def test_prefill_and_evict_equals_compress(tiny_gemma_dir, method):
-    """The runner's prefill (last-position logits only) evicts exactly like
-    ``probkv.hf.compress`` (the library's reference): same kept entries and log-weights."""
-    from probkv.hf import compress, prepare_model
-    from probkv.models import load_model
-    from probkv.policies import parse_method
-
-    model, _ = load_model(tiny_gemma_dir)
-    prepare_model(model)
-    ids = torch.randint(6, 200, (1, 300), generator=torch.Generator().manual_seed(0))
-    policy = parse_method(method, 0.5)
-    ours, ref = rn.prefill_and_evict(model, ids, policy), compress(model, ids, policy)
-    assert torch.equal(ours.token_ids, ref.token_ids)
-    assert [r.as_dict() for r in ours.reports()] == [r.as_dict() for r in ref.reports()]
-    for i in ref.evicting_layers:
-        a, b = ours.layers[i].prefix, ref.layers[i].prefix
-        assert a.lengths == b.lengths
-        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
-        assert (a.log_weights is None) == (b.log_weights is None)
-        if a.log_weights is not None:
-            assert torch.equal(a.log_weights, b.log_weights)
-
-
 def test_two_workers_give_the_same_results(tiny_dir, data_file, tmp_path):
     cfg = config(tiny_dir, data_file, methods=("full", "snapkv", "prob:min-h"), ratios=(0.5,))
     one = run_eval(cfg, tmp_path / "w1", progress=False, workers=1)

@@ -37,9 +37,8 @@ Decisions (documented here once; the CLI help and the README point to them):
   global scope). ``prefill_s`` of such a job is the shared prefill time plus its own eviction
   time, and ``shared_prefill`` says how many jobs shared it. ``reuse_prefill=False`` gives
   every job its own prefill (the tests check both give the same rows).
-- Every prefill computes logits for its last position only (``logits_to_keep=1``), so
-  prefill times compare fairly across methods; :func:`prefill_and_evict` is
-  ``probkv.hf.compress`` with that change (the tests check they evict alike).
+- Every prefill computes logits for its last position only (``logits_to_keep=1``, as
+  ``probkv.hf.compress`` and ``observe`` do), so prefill times compare fairly across methods.
 - ``seed`` in the rows is the run's seed (task generation); a probabilistic policy's own
   seed is an option of its method name (``prob:min-h/seed=3``).
 """
@@ -364,66 +363,13 @@ def _layer_rows(cache) -> list[dict[str, Any]]:
     ]
 
 
-class _Observer:
-    """Stand-in policy for a shared prefill: observes ``score`` with ``score_params`` like the
-    real policy would (``probkv.hf.attention.observe_prefill`` reads only these two fields)
-    and defers eviction (``layerwise`` is False), so the observed cache can be copied and
-    evicted once per job. Its ``select`` is never called."""
-
-    layerwise = False
-    ratio = 0.0
-
-    def __init__(self, score: str, score_params: Mapping[str, Any]) -> None:
-        self.score = score
-        self.score_params = dict(score_params)
-
-    def select(self, observations, *, num_layers):  # pragma: no cover - never called
-        raise RuntimeError("the shared-prefill observer does not evict; set the job's policy")
-
-
-def evict_observed(cache, policy) -> None:
-    """Evict an observed (prefilled, not yet evicted) ``ProbKVCache`` with ``policy``, the way
-    the integration would have during prefill: per-layer policies layer by layer in order,
-    global-scope policies all layers at once (S3)."""
-    from probkv.hf.cache import apply_selection
-
-    cache.policy = policy
-    for i in cache.evicting_layers:
-        cache.layers[i].policy = policy
-    if policy.layerwise:
-        for i in cache.evicting_layers:
-            layer = cache.layers[i]
-            (selection,) = policy.select([layer.observation], num_layers=layer.num_evicting)
-            apply_selection(layer, selection, policy)
-        cache.num_evictions += 1
-    else:
-        cache.evict()
-
-
-def prefill_and_evict(model, ids, policy):
-    """``probkv.hf.compress(model, ids, policy)`` computing logits for the last position only
-    (as the full-cache job and the shared prefill do, so prefill times compare fairly); the
-    tests check it evicts exactly like ``compress``."""
-    import torch
-
-    from probkv.hf.cache import ProbKVCache
-
-    cache = ProbKVCache(model.config, policy)
-    with torch.no_grad():
-        model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-        if cache.eviction_pending:
-            cache.evict()
-    cache.token_ids = ids
-    return cache
-
-
 def run_unit(model, tokenizer, unit: Unit, settings: JobSettings) -> Iterator[dict[str, Any]]:
     """Run one unit's jobs; yield one results row per job as it finishes (see ROW_FIELDS).
 
     ``model`` must be prepared (``probkv.hf.prepare_model``)."""
     import torch
 
-    from probkv.hf.cache import ProbKVCache
+    from probkv.hf import compress, observe
     from probkv.policies import parse_method
 
     ex = unit.example
@@ -466,25 +412,22 @@ def run_unit(model, tokenizer, unit: Unit, settings: JobSettings) -> Iterator[di
     if len(unit.jobs) == 1:
         method, ratio = unit.jobs[0]
         start = time.perf_counter()
-        cache = prefill_and_evict(model, before_t, parse_method(method, ratio))
+        cache = compress(model, before_t, parse_method(method, ratio))
         prefill_s = time.perf_counter() - start
         yield row(method, ratio, *_decode(model, cache, after_t, gen_kw, prefill_s, 1))
         return
 
     # Shared prefill: observe once, copy the observed cache and evict it once per job.
     first = parse_method(*unit.jobs[0])
-    observed = ProbKVCache(model.config, _Observer(first.score, first.score_params))
     start = time.perf_counter()
-    with torch.no_grad():
-        model(input_ids=before_t, cache=observed, use_cache=True, logits_to_keep=1)
+    observed = observe(model, before_t, first.score, first.score_params)
     shared_s = time.perf_counter() - start
     for i, (method, ratio) in enumerate(unit.jobs):
         policy = parse_method(method, ratio)
         start = time.perf_counter()
         cache = observed if i == len(unit.jobs) - 1 else copy.deepcopy(observed)
         with torch.no_grad():
-            evict_observed(cache, policy)
-        cache.token_ids = before_t  # what compress() records for generation
+            cache.evict(policy)
         prefill_s = shared_s + time.perf_counter() - start
         yield row(method, ratio, *_decode(model, cache, after_t, gen_kw, prefill_s, len(unit.jobs)))
 

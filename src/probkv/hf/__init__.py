@@ -9,7 +9,7 @@ Verified with transformers==5.24.0 (pinned).
 
 from probkv.hf.cache import EvictingLayer, LayerReport, ProbKVCache
 from probkv.hf.model import SUPPORTED_MODEL_TYPES, check_model_supported, prepare_model
-from probkv.hf.workflow import answer, compress, generate
+from probkv.hf.workflow import answer, compress, generate, observe
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -20,5 +20,6 @@ __all__ = [
     "check_model_supported",
     "compress",
     "generate",
+    "observe",
     "prepare_model",
 ]

@@ -29,7 +29,7 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 
-from probkv.policies.base import EvictionPolicy, LayerObservation
+from probkv.policies.base import EvictionPolicy, LayerObservation, validate_common
 from probkv.selection import RaggedSelection
 
 # Tail buffers grow by this many slots at least (amortised O(1) appends during decoding,
@@ -310,6 +310,25 @@ class EvictingLayer(CacheLayerMixin):
         return torch.cat([k, tail_k]), torch.cat([v, tail_v]), lw
 
 
+@dataclass(frozen=True)
+class ObserveOnly(EvictionPolicy):
+    """Observes ``score`` during prefill and defers eviction to ``ProbKVCache.evict(policy)``:
+    one prefill, then a copy of the observed cache per method (see ``probkv.hf.observe``)."""
+
+    def __post_init__(self) -> None:
+        validate_common(self)
+
+    @property
+    def layerwise(self) -> bool:
+        return False
+
+    def select(self, observations, *, num_layers):
+        raise ValueError(
+            "this cache was only observed (probkv.hf.observe): call cache.evict(policy) with "
+            "a policy that observes the same score before generating"
+        )
+
+
 class ProbKVCache(Cache):
     """A ``transformers.Cache`` that evicts with a probkv policy after prefill.
 
@@ -369,8 +388,18 @@ class ProbKVCache(Cache):
             layer.is_evicted for layer in layers
         )
 
-    def evict(self) -> None:
-        """Run the policy on every observed layer and evict them (S3 global scope)."""
+    def evict(self, policy: EvictionPolicy | None = None) -> None:
+        """Run the policy on every observed layer and evict them.
+
+        ``policy`` replaces the cache's policy first: a cache observed once (``observe``) can
+        be copied and evicted with several policies that observe the same score. A
+        ``layerwise`` policy selects layer by layer, exactly as it would have during prefill
+        (same random draws); a global one sees every layer at once (S3 global scope).
+        """
+        if policy is not None:
+            self.policy = policy
+            for i in self.evicting_layers:
+                self.layers[i].policy = policy
         layers = [self.layers[i] for i in self.evicting_layers]
         missing = [layer.layer_idx for layer in layers if layer.observation is None]
         if missing:
@@ -378,10 +407,17 @@ class ProbKVCache(Cache):
                 f"cannot evict before prefill: layers {missing} have not been observed"
             )
         todo = [layer for layer in layers if not layer.is_evicted]
-        observations = [layer.observation for layer in todo]
-        selections = self.policy.select(observations, num_layers=len(self.evicting_layers))
-        for layer, selection in zip(todo, selections):
-            apply_selection(layer, selection, self.policy)
+        num_layers = len(self.evicting_layers)
+        if self.policy.layerwise:
+            for layer in todo:
+                (selection,) = self.policy.select([layer.observation], num_layers=num_layers)
+                apply_selection(layer, selection, self.policy)
+        else:
+            selections = self.policy.select(
+                [layer.observation for layer in todo], num_layers=num_layers
+            )
+            for layer, selection in zip(todo, selections):
+                apply_selection(layer, selection, self.policy)
         self.num_evictions += 1
 
     def rewind(self) -> None:

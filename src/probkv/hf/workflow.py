@@ -11,7 +11,7 @@ import copy
 
 import torch
 
-from probkv.hf.cache import EvictingLayer, ProbKVCache
+from probkv.hf.cache import EvictingLayer, ObserveOnly, ProbKVCache
 from probkv.hf.model import is_prepared
 from probkv.policies.base import EvictionPolicy
 
@@ -49,6 +49,24 @@ def compress(model, context_ids: torch.Tensor, policy: EvictionPolicy) -> ProbKV
     model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)  # no [t, vocab] logits
     if cache.eviction_pending:
         cache.evict()
+    cache.token_ids = ids
+    return cache
+
+
+@torch.no_grad()
+def observe(
+    model, context_ids: torch.Tensor, score: str, score_params: dict | None = None
+) -> ProbKVCache:
+    """Prefill ``context_ids`` and observe ``score`` without evicting: copy the result
+    (``copy.deepcopy``) and call ``cache.evict(policy)`` once per policy that observes the
+    same score and parameters (e.g. several ratios, samplers or weights) to pay one prefill
+    for all of them. Each copy evicts exactly as ``compress`` with that policy would."""
+    _check_prepared(model)
+    ids = _as_ids(context_ids).to(model.device)
+    cache = ProbKVCache(
+        model.config, ObserveOnly(score=score, ratio=0.0, score_params=dict(score_params or {}))
+    )
+    model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
     cache.token_ids = ids
     return cache
 
