@@ -29,7 +29,13 @@ from probkv.hf import ProbKVCache, prepare_model
 from probkv.models import load_model
 from probkv.policies import parse_method
 
-PREFILL_METHODS = ["snapkv", "h2o", "prob:min-h", "prob:min-h/scope=global", "prob:min-h/sampler=pps"]
+PREFILL_METHODS = [
+    "snapkv",
+    "h2o",
+    "prob:min-h",
+    "prob:min-h/scope=global",
+    "prob:min-h/sampler=pps",
+]
 DECODE_METHODS = ["prob:min-h", "prob:min-h/correct=false", "snapkv"]
 
 
@@ -96,7 +102,9 @@ def main() -> None:
         plain = best[None]
         print(f"prefill plain (sdpa, full cache): {plain:.2f} s")
         for method in PREFILL_METHODS:
-            print(f"  {method:28s} prefill+evict {best[method]:7.2f} s   ratio {best[method] / plain:.3f}")
+            print(
+                f"  {method:28s} prefill+evict {best[method]:7.2f} s   ratio {best[method] / plain:.3f}"
+            )
         # Decode.
         _, full_cache, token = prefill(model, ids, None, 0.0)
         full_ms = decode_ms(model, full_cache, token, args.decode_tokens, None)
@@ -115,7 +123,9 @@ def main() -> None:
                 )
                 del cache
             corr, unc = per["prob:min-h"], per["prob:min-h/correct=false"]
-            print(f"  r={ratio} correction cost: {100 * (corr - unc) / unc:+.1f}% of an uncorrected step")
+            print(
+                f"  r={ratio} correction cost: {100 * (corr - unc) / unc:+.1f}% of an uncorrected step"
+            )
 
 
 if __name__ == "__main__":
