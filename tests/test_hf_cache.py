@@ -339,3 +339,24 @@ def test_observe_once_then_evict_equals_compress(tiny, method):
         assert (a.log_weights is None) == (b.log_weights is None)
         if a.log_weights is not None:
             assert torch.equal(a.log_weights, b.log_weights)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_bfloat16_models_evict_and_match_at_ratio_zero(arch):
+    """bfloat16 weights and cache; scores, proposals and log-weights stay float32."""
+    model = prepare_model(tiny_model(arch, seed=0, dtype=torch.bfloat16))
+    ids = random_ids(model, 40, seed=17)
+    with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        reference = model.generate(ids, max_new_tokens=8, do_sample=False)
+        prepare_model(model)
+        cache = ProbKVCache(model.config, parse_method("prob:min-h", ratio=0.0))
+        same = model.generate(ids, max_new_tokens=8, do_sample=False, cache=cache)
+    assert torch.equal(same, reference)
+    cache = compress(model, ids, parse_method("prob:min-h", ratio=0.5))
+    for i in cache.evicting_layers:
+        prefix = cache.layers[i].prefix
+        assert prefix.keys.dtype == torch.bfloat16
+        assert prefix.log_weights.dtype == torch.float32
+    new = answer(model, cache, random_ids(model, 3, seed=18), max_new_tokens=4)
+    assert new.numel() == 4
