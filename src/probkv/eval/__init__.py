@@ -1,10 +1,13 @@
-"""Evaluation harness (SPEC S7): generated tasks, data loading, scorers, win score.
+"""Evaluation harness (SPEC S7): generated tasks, data loading, scorers, win score, runs.
 
-Layer 4 of docs/architecture.md: depends on nothing in probkv but the shared checks, and
-nothing below depends on it. The model-free parts live here: examples and their JSONL form
-(:mod:`.examples`, :mod:`.data`, :mod:`.longbench`), prompt assembly (:mod:`.prompt`),
-the seeded task generators (:mod:`.tasks`, :mod:`.haystack`), scorers (:mod:`.scorers`) and
-the win score / average total score (:mod:`.winscore`).
+Layer 4 of docs/architecture.md: nothing below depends on it. Importing this package loads
+only the model-free parts: examples and their JSONL form (:mod:`.examples`, :mod:`.data`,
+:mod:`.longbench`), prompt assembly (:mod:`.prompt`), the seeded task generators
+(:mod:`.tasks`, :mod:`.haystack`), scorers (:mod:`.scorers`) and the win score / average total
+score (:mod:`.winscore`). The parts that run a model are imported from their modules:
+:mod:`.runner` (``run_eval``, ``RunConfig``, ``summarize``; ``probkv eval``),
+:mod:`.attention_error` (``probkv attention-error``), :mod:`.plots` (``probkv plot``) and
+:mod:`.demo` (``probkv demo``).
 """
 
 from probkv.eval.data import load_examples
