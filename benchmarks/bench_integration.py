@@ -19,24 +19,21 @@ was measured faster than two in one process. Absolute times depend on the machin
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
 
 import torch
 from transformers import DynamicCache
 
-from probkv.hf import ProbKVCache, prepare_model
+from probkv.hf import ProbKVCache, observe, prepare_model
 from probkv.models import load_model
 from probkv.policies import parse_method
 
-PREFILL_METHODS = [
-    "snapkv",
-    "h2o",
-    "prob:min-h",
-    "prob:min-h/scope=global",
-    "prob:min-h/sampler=pps",
-]
-DECODE_METHODS = ["prob:min-h", "prob:min-h/correct=false", "snapkv"]
+PREFILL_METHODS = ["snapkv", "prob:min-h", "prob:min-h/scope=global"]
+# Decode variants observe the same score, so one observed prefill serves them all
+# (probkv.hf.observe + cache.evict(policy), identical to compress()).
+DECODE_METHODS = ["prob:min-h", "prob:min-h/correct=false", "topk:min-h"]
 
 
 def cache_bytes(cache) -> int:
@@ -105,16 +102,19 @@ def main() -> None:
             print(
                 f"  {method:28s} prefill+evict {best[method]:7.2f} s   ratio {best[method] / plain:.3f}"
             )
-        # Decode.
+        # Decode: the same first token for every variant, median ms over the same steps.
         _, full_cache, token = prefill(model, ids, None, 0.0)
         full_ms = decode_ms(model, full_cache, token, args.decode_tokens, None)
         full_bytes = cache_bytes(full_cache)
         del full_cache
         print(f"decode full cache: {full_ms:.1f} ms/token, cache {full_bytes / 2**20:.1f} MiB")
+        prepare_model(model)
+        observed = observe(model, ids, "min-h")
         for ratio in (0.5, 0.75):
             per = {}
             for method in DECODE_METHODS:
-                _, cache, token = prefill(model, ids, method, ratio)
+                cache = copy.deepcopy(observed)
+                cache.evict(parse_method(method, ratio))
                 nbytes = cache_bytes(cache)
                 per[method] = decode_ms(model, cache, token, args.decode_tokens, method)
                 print(
@@ -126,6 +126,7 @@ def main() -> None:
             print(
                 f"  r={ratio} correction cost: {100 * (corr - unc) / unc:+.1f}% of an uncorrected step"
             )
+        del observed
 
 
 if __name__ == "__main__":

@@ -252,7 +252,9 @@ def test_generate_with_sampling_runs(tiny):
     ids = random_ids(model, 30, seed=11)
     cache = ProbKVCache(model.config, parse_method("prob:min-h", ratio=0.5))
     torch.manual_seed(0)
-    out = model.generate(ids, max_new_tokens=6, do_sample=True, top_k=20, cache=cache)
+    out = model.generate(
+        ids, max_new_tokens=6, min_new_tokens=6, do_sample=True, top_k=20, cache=cache
+    )
     assert out.shape == (1, 36)
     assert 0.3 < cache.effective_ratio() < 0.7
 

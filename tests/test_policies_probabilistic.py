@@ -190,7 +190,7 @@ def test_forced_entries_are_kept_with_weight_one(method):
 def test_inclusion_weights_are_one_over_the_inclusion_probability():
     """S9 Horvitz-Thompson: log w_i = -log(1 - (1 - pi_i)^m) / tau, m per head (S3)."""
     for tau in (1.0, 2.0):
-        policy, obs = one_layer(f"prob:min-h/weights=inclusion/tau={tau}")
+        policy, obs = one_layer(f"prob:min-h/sampler=with_replacement/weights=inclusion/tau={tau}")
         pi = policy.proposal(obs).double()
         m = sampling.samples_for_ratio(pi, 0.5, scope="head")
         (sel,) = policy.select([obs], num_layers=1)
@@ -204,7 +204,7 @@ def test_inclusion_weights_are_one_over_the_inclusion_probability():
 def test_count_weights_recover_integer_counts_summing_to_m():
     """S4 Eq. 10: w_i = c_i / (m pi_i), so w_i m pi_i are the draw counts: integers >= 1
     that add up to the number of samples m of the head."""
-    policy, obs = one_layer("prob:h2o/weights=counts")
+    policy, obs = one_layer("prob:h2o/sampler=with_replacement/weights=counts")
     pi = policy.proposal(obs).double()
     m = sampling.samples_for_ratio(pi, 0.5, scope="head")
     (sel,) = policy.select([obs], num_layers=1)
@@ -277,7 +277,7 @@ def test_expected_kept_count_is_the_budget():
     """S3: m is chosen so that E[J(m)] = sum_i 1 - (1 - pi_i)^m is within 0.5 of (1 - r) t.
     The kept indicators of multinomial sampling are negatively associated, so
     Var[J] <= sum_i P_i (1 - P_i); the mean over N seeds is within 4 standard errors."""
-    policy, obs = one_layer("prob:h2o", t=60, hkv=1, ratio=0.5)
+    policy, obs = one_layer("prob:h2o/sampler=with_replacement", t=60, hkv=1, ratio=0.5)
     pi = policy.proposal(obs).double()
     m = sampling.samples_for_ratio(pi, 0.5, scope="head")
     expected = float(sampling.expected_distinct(pi, m)[0])
@@ -306,7 +306,7 @@ def test_inclusion_weighted_total_is_unbiased():
     """S9: with w_i = 1 / P_i the corrected total sum_{i kept} w_i f_i is unbiased for
     sum_i f_i (Horvitz-Thompson). For f >= 0 and negatively associated inclusions its
     variance is at most sum_i f_i^2 (1 - P_i) / P_i; 4 standard errors over N seeds."""
-    policy, obs = one_layer("prob:h2o/uniform_mix=0.5", t=40, hkv=1)
+    policy, obs = one_layer("prob:h2o/sampler=with_replacement/uniform_mix=0.5", t=40, hkv=1)
     pi = policy.proposal(obs).double()[0]
     m = sampling.samples_for_ratio(pi, 0.5, scope="head")
     inclusion = sampling.inclusion_probabilities_with_replacement(pi, m)
@@ -320,7 +320,9 @@ def test_inclusion_weighted_total_is_unbiased():
 def test_count_weighted_total_is_unbiased():
     """S4 Hansen-Hurwitz: sum_i c_i f_i / (m pi_i) is unbiased for sum_i f_i with the exact
     variance (1/m) (sum_i f_i^2 / pi_i - (sum_i f_i)^2); 4 standard errors over N seeds."""
-    policy, obs = one_layer("prob:h2o/uniform_mix=0.5/weights=counts", t=40, hkv=1)
+    policy, obs = one_layer(
+        "prob:h2o/sampler=with_replacement/uniform_mix=0.5/weights=counts", t=40, hkv=1
+    )
     pi = policy.proposal(obs).double()[0]
     m = int(sampling.samples_for_ratio(pi, 0.5, scope="head"))
     f = torch.linspace(0.1, 2.0, 40, dtype=F64) ** 2
@@ -335,7 +337,7 @@ def test_global_scope_shares_one_m_and_hits_the_mean_fraction():
     the mean kept fraction is 1 - r in expectation (within the search tolerance 0.5 / t).
     Every head draws its own samples independently, so the variance of the mean fraction is
     sum_h Var[J_h] / (H t)^2 <= sum_h sum_i P_hi (1 - P_hi) / (H t)^2; 4 standard errors."""
-    policy = parse_method("prob:h2o/scope=global", ratio=0.6)
+    policy = parse_method("prob:h2o/sampler=with_replacement/scope=global", ratio=0.6)
     assert not policy.layerwise
     t, n = 50, 200
     obs = [observe(policy, *random_layer(t, 2, 2, seed=20 + i), layer_idx=i) for i in range(2)]

@@ -194,10 +194,20 @@ def test_step_one_rows_match_the_slow_reference(llama):
         ("topk", None): [TopKPolicy(score="h2o", ratio=0.5)],
         ("topk_proposal", None): [TopKPolicy(score="min-h", ratio=0.5)],
         ("uncorrected", None): [
-            ProbabilisticPolicy(score="min-h", ratio=0.5, correct=False, seed=s) for s in (0, 1)
+            ProbabilisticPolicy(
+                score="min-h", ratio=0.5, sampler="with_replacement", correct=False, seed=s
+            )
+            for s in (0, 1)
         ],
         ("corrected", 2.0): [
-            ProbabilisticPolicy(score="min-h", ratio=0.5, weights="counts", tau=2.0, seed=s)
+            ProbabilisticPolicy(
+                score="min-h",
+                ratio=0.5,
+                sampler="with_replacement",
+                weights="counts",
+                tau=2.0,
+                seed=s,
+            )
             for s in (0, 1)
         ],
     }

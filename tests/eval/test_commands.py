@@ -155,4 +155,5 @@ def test_demo_command_on_a_tiny_model(tiny_dir, tmp_path, capsys):
     assert cli.main(argv) == 0
     printed = capsys.readouterr().out
     assert "| full (no eviction) |" in printed and "| prob:min-h/correct=false |" in printed
-    assert f"figures (5): {out}" in printed
+    assert "question-agnostic eviction" in printed and "question-aware eviction" in printed
+    assert f"figures (10): {out / 'question_agnostic'}" in printed

@@ -28,7 +28,13 @@ def test_demo_config():
         [pytest.importorskip("probkv.eval").Example("x", "t", "c", "q", ("a",), 4)],
         cfg.jobs_per_example(),
     )
-    assert sorted(len(u.jobs) for u in units) == [1, 1, 1, 3]
+    assert sorted(len(u.jobs) for u in units) == [
+        1,
+        1,
+        2,
+        3,
+    ]  # full | streaming | snapkv x2 | min-h x3
+    assert not cfg.question_aware and demo.demo_config(question_aware=True).question_aware
 
 
 def test_demo_table():
@@ -59,23 +65,23 @@ def test_run_demo_on_a_tiny_model(tmp_path, capsys):
     tiny_model("llama", max_position_embeddings=4096).save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
     out = tmp_path / "demo-out"
-    report, figures = demo.run_demo(
-        out, model=str(folder), workers=1, length=500, per_task=1, progress=False
-    )
-    assert report.jobs_total == report.jobs_run == 3 * (1 + (len(demo.DEMO_METHODS) - 1))
-    names = sorted(p.name for p in figures.paths)
-    assert names == [
-        "compression_ratio_table.png",
-        "layer_effective_ratio.png",
-        "score_vs_ratio.png",
-        "score_vs_ratio_by_task.png",
-        "win_score_vs_ratio.png",
-    ]
-    assert all(p.parent == out and p.stat().st_size > 0 for p in figures.paths)
-    assert (out / rn.SUMMARY_MD).is_file()
+    runs = demo.run_demo(out, model=str(folder), workers=1, length=500, per_task=1, progress=False)
+    assert [(r.setting, r.question_aware) for r in runs] == list(demo.DEMO_SETTINGS)
+    for run in runs:
+        report, figures = run.report, run.figures
+        assert report.jobs_total == report.jobs_run == 3 * len(demo.DEMO_METHODS)
+        names = sorted(p.name for p in figures.paths)
+        assert names == [
+            "compression_ratio_table.png",
+            "layer_effective_ratio.png",
+            "score_vs_ratio.png",
+            "score_vs_ratio_by_task.png",
+            "win_score_vs_ratio.png",
+        ]
+        assert all(p.parent == out / run.setting and p.stat().st_size > 0 for p in figures.paths)
+        assert (out / run.setting / rn.SUMMARY_MD).is_file()
     # Run again with other settings: the old run is moved aside, not mixed in or lost.
-    again, _ = demo.run_demo(
-        out, model=str(folder), workers=1, length=500, per_task=2, progress=False
-    )
-    assert again.jobs_skipped == 0 and again.jobs_total == 2 * report.jobs_total
-    assert (out / "previous-1" / rn.RESULTS_FILE).is_file()
+    again = demo.run_demo(out, model=str(folder), workers=1, length=500, per_task=2, progress=False)
+    first = runs[0].report
+    assert again[0].report.jobs_skipped == 0 and again[0].report.jobs_total == 2 * first.jobs_total
+    assert (out / runs[0].setting / "previous-1" / rn.RESULTS_FILE).is_file()

@@ -229,7 +229,7 @@ def test_shared_prefill_equals_compress(arch_dir, data_file, tmp_path, request):
         "prob:min-h",
         "prob:min-h/correct=false",
         "prob:min-h/scope=global",
-        "prob:min-h/sampler=pps/scope=global",
+        "prob:min-h/sampler=with_replacement/scope=global",
     )
     cfg = config(model, data_file, methods=methods, ratios=(0.0, 0.25, 0.5))
     fast = run_eval(cfg, tmp_path / "fast", progress=False)

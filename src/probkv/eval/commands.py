@@ -156,10 +156,11 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         help="side-by-side demo on the default model: full, top-k and probabilistic eviction",
         description=(
             "Full cache, SnapKV and StreamingLLM (top-k), and probabilistic eviction with the "
-            "min-h proposal with and without correction (and with the global budget), at "
-            "r = 0.5 on three generated needle tasks (niah_single_1, niah_single_2, "
-            "niah_multikey_1). Prints the table and writes the figures into the output "
-            "folder. Interrupted, it resumes; delete the output folder to start over."
+            "min-h proposal with and without correction (and with the global budget) and with "
+            "the SnapKV proposal, at r = 0.5 on three generated needle tasks (niah_single_1, "
+            "niah_single_2, niah_multikey_1), question-agnostic and question-aware. Prints "
+            "the tables and writes the figures into the output folder. Interrupted, it "
+            "resumes; delete the output folder to start over."
         ),
     )
     de.add_argument(
@@ -256,7 +257,7 @@ def run_demo_command(args: argparse.Namespace) -> int:
     from probkv.eval import demo
 
     start = time.perf_counter()
-    report, figures = demo.run_demo(
+    runs = demo.run_demo(
         args.out,
         model=args.model,
         workers=args.workers,
@@ -265,25 +266,33 @@ def run_demo_command(args: argparse.Namespace) -> int:
         per_task=args.per_task,
         progress=not args.no_progress,
     )
-    summary = report.summary
-    print(
-        f"\nprobkv demo: {summary['model']}, r = {demo.DEMO_RATIO}, "
-        f"{summary['num_examples']} examples ({', '.join(summary['tasks'])}), "
-        "question-agnostic eviction, greedy decoding\n"
-    )
-    print(demo.demo_table(summary))
+    for run in runs:
+        summary = run.report.summary
+        how = (
+            "question-aware eviction (the question is inside the compressed prompt)"
+            if run.question_aware
+            else "question-agnostic eviction (the context is compressed before the question)"
+        )
+        print(
+            f"\nprobkv demo: {summary['model']}, r = {demo.DEMO_RATIO}, "
+            f"{summary['num_examples']} examples ({', '.join(summary['tasks'])}), {how}, "
+            "greedy decoding\n"
+        )
+        print(demo.demo_table(summary))
+        for note in run.figures.skipped:
+            print(f"skipped {note}", file=sys.stderr)
     print(
         "Scores: fraction of the needle values found in the answer (RULER string_match_all). "
         "Effective r: fraction of the prompt's cache entries evicted (mean ± std over "
-        "examples)."
+        "examples). Why the methods differ: docs/evaluation.md."
     )
-    for note in figures.skipped:
-        print(f"skipped {note}", file=sys.stderr)
     out = Path(args.out)
+    figures = [p for run in runs for p in run.figures.paths]
     print(
-        f"\nResults: {out / 'results.jsonl'}; summary: {out / 'summary.md'}; figures "
-        f"({len(figures.paths)}): {', '.join(str(p) for p in figures.paths)}. "
-        f"{report.jobs_run} jobs run, {report.jobs_skipped} resumed, "
+        f"\nResults and summaries: {', '.join(str(out / run.setting) for run in runs)}; "
+        f"figures ({len(figures)}): {', '.join(str(p) for p in figures)}. "
+        f"{sum(r.report.jobs_run for r in runs)} jobs run, "
+        f"{sum(r.report.jobs_skipped for r in runs)} resumed, "
         f"{time.perf_counter() - start:.0f} s."
     )
     return 0

@@ -1,19 +1,25 @@
 """``probkv demo``: a small side-by-side evaluation on the default model (SPEC S7).
 
 Full cache, two top-k baselines (SnapKV, StreamingLLM), and probabilistic eviction with the
-``min-h`` proposal (S2) with and without decode-time correction (S4), plus the same with the
-global budget (S3), all at r = 0.5 on three generated needle tasks (a few examples each, about
-1.2k prompt tokens). It is an ordinary ``probkv eval`` run (:func:`probkv.eval.runner.run_eval`)
-into ``demo-out/``: interrupted, it resumes; its figures land beside the results.
+``min-h`` proposal (S2) with and without decode-time correction (S4), the same with the global
+budget (S3), and probabilistic SnapKV (the proposal probkv's own evaluation found best on
+tasks, docs/evaluation.md), all at r = 0.5 on three generated needle tasks (a few examples
+each, about 1.2k prompt tokens), in the two settings of the paper's evaluation:
+question-agnostic (the context is compressed before the question is seen, the paper's and
+kvpress's setting) and question-aware (the question is inside the compressed prompt, where
+observation-window scores such as SnapKV can see it). Each setting is an ordinary
+``probkv eval`` run (:func:`probkv.eval.runner.run_eval`) into ``demo-out/<setting>/``:
+interrupted, it resumes; its figures land beside its results.
 
-The global-budget variant shares its prefill with ``prob:min-h`` (same observation, see the
-runner), so it costs one extra eviction and decode per example and gives the per-layer
-figure (the paper's Figure 9).
+The global-budget variant shares its prefill with ``prob:min-h`` and ``prob:snapkv`` with
+``snapkv`` (same observation, see the runner), so each costs one extra eviction and decode
+per example; the global variant gives the per-layer figure (the paper's Figure 9).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +33,10 @@ DEMO_METHODS = (
     "prob:min-h",
     "prob:min-h/correct=false",
     "prob:min-h/scope=global",
+    "prob:snapkv",
 )
+# (folder name, question_aware): the paper's setting first.
+DEMO_SETTINGS = (("question_agnostic", False), ("question_aware", True))
 DEMO_TASKS = ("niah_single_1", "niah_single_2", "niah_multikey_1")
 DEMO_RATIO = 0.5
 DEMO_LENGTH = 1200
@@ -37,9 +46,13 @@ DEMO_WORKERS = 2
 
 
 def demo_config(
-    model: str | None = None, *, length: int = DEMO_LENGTH, per_task: int = DEMO_PER_TASK
+    model: str | None = None,
+    *,
+    length: int = DEMO_LENGTH,
+    per_task: int = DEMO_PER_TASK,
+    question_aware: bool = False,
 ) -> RunConfig:
-    """The demo's run configuration (default model, :data:`DEMO_METHODS` at r = 0.5)."""
+    """One setting's run configuration (default model, :data:`DEMO_METHODS` at r = 0.5)."""
     from probkv.models import DEFAULT_MODEL
 
     return RunConfig(
@@ -50,6 +63,7 @@ def demo_config(
         lengths=(length,),
         per_task=per_task,
         seed=0,
+        question_aware=question_aware,
     )
 
 
@@ -82,6 +96,17 @@ def demo_table(summary: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+@dataclass(frozen=True)
+class DemoRun:
+    """One setting of the demo: its folder name, whether eviction saw the question, the run
+    report and the figures."""
+
+    setting: str
+    question_aware: bool
+    report: RunReport
+    figures: Figures
+
+
 def run_demo(
     out_dir: str | os.PathLike[str] = DEMO_OUT,
     *,
@@ -91,13 +116,15 @@ def run_demo(
     length: int = DEMO_LENGTH,
     per_task: int = DEMO_PER_TASK,
     progress: bool = True,
-) -> tuple[RunReport, Figures]:
-    """Run the demo into ``out_dir`` (resuming; a run with another configuration there is
-    moved to ``previous-N/``) and write its figures there. Returns the run report and the
-    figures."""
-    config = demo_config(model, length=length, per_task=per_task)
-    report = run_eval(
-        config, out_dir, workers=workers, threads=threads, force=True, progress=progress
-    )
-    figures = plot_summary(report.summary, Path(out_dir))
-    return report, figures
+) -> list[DemoRun]:
+    """Run both settings into ``out_dir/<setting>/`` (resuming; a run with another
+    configuration there is moved to ``previous-N/``) and write their figures there."""
+    runs = []
+    for setting, question_aware in DEMO_SETTINGS:
+        config = demo_config(model, length=length, per_task=per_task, question_aware=question_aware)
+        folder = Path(out_dir) / setting
+        report = run_eval(
+            config, folder, workers=workers, threads=threads, force=True, progress=progress
+        )
+        runs.append(DemoRun(setting, question_aware, report, plot_summary(report.summary, folder)))
+    return runs

@@ -55,11 +55,20 @@ class ProbabilisticPolicy(EvictionPolicy):
     Forced entries (the score's, e.g. SnapKV's window, plus the recent ones) are kept with
     weight 1 and count against the budget; if they exceed a head's budget (a short prompt at
     high compression), only the most recent ``budget`` of them stay forced (``fit_forced``).
+
+    Defaults come from probkv's own evaluation on SmolLM2 (docs/evaluation.md, S9): ``pps``
+    sampling with ``tau = 1`` gave the lowest attention error of the sampled estimators,
+    compounded over decode steps, on both prompts measured; with the with-replacement sampler,
+    ``inclusion`` weights beat the paper's ``counts`` weights, which at ``tau = 1`` were worse
+    than no correction. The default proposal is ``snapkv``: the best task scores of the
+    proposals measured (``min-h`` has the lowest last-query attention error by design but lost
+    most needles on SmolLM2). The paper's estimator is ``sampler="with_replacement",
+    weights="counts"`` (``prob:<score>/sampler=with_replacement/weights=counts``).
     """
 
-    score: str = "min-h"
+    score: str = "snapkv"
     scope: str = "head"
-    sampler: str = "with_replacement"
+    sampler: str = "pps"
     weights: str = "inclusion"
     tau: float = 1.0
     correct: bool = True
