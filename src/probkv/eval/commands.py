@@ -15,42 +15,13 @@ import sys
 import time
 from pathlib import Path
 
-from probkv.cli import positive_int
+from probkv.cli_args import comma_list, length_list, positive_int, ratio_list
 
 # Defaults of `probkv demo` (equal to probkv.eval.demo's; see add_commands).
 DEMO_OUT = "demo-out"
 DEMO_WORKERS = 2
 DEMO_PER_TASK = 3
 DEMO_LENGTH = 1200
-
-
-def comma_list(value: str) -> list[str]:
-    """argparse type: a non-empty comma-separated list (``a,b,c``)."""
-    items = [v.strip() for v in value.split(",")]
-    if not value.strip() or any(not v for v in items):
-        raise argparse.ArgumentTypeError(f"must be a comma-separated list, got {value!r}")
-    return items
-
-
-def ratio_list(value: str) -> list[float]:
-    """argparse type: comma-separated compression ratios in [0, 1)."""
-    out = []
-    for item in comma_list(value):
-        try:
-            r = float(item)
-        except ValueError:
-            r = -1.0
-        if not 0.0 <= r < 1.0:
-            raise argparse.ArgumentTypeError(
-                f"ratios must be numbers in [0, 1) (fraction evicted), got {item!r}"
-            )
-        out.append(r)
-    return out
-
-
-def length_list(value: str) -> list[int]:
-    """argparse type: comma-separated positive integers (prompt lengths in tokens)."""
-    return [positive_int(item) for item in comma_list(value)]
 
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
