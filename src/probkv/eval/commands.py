@@ -5,7 +5,8 @@
 - ``probkv plot PATH``: the figures of a run folder, or of an attention-error JSON file.
 - ``probkv demo``: :mod:`probkv.eval.demo`.
 
-Heavy imports (torch, transformers, matplotlib) happen inside the handlers.
+The handlers import the modules that load transformers (the runner, the demo) or matplotlib
+(the plots) when they run, so that ``probkv --help`` loads neither.
 """
 
 from __future__ import annotations
@@ -16,6 +17,11 @@ import time
 from pathlib import Path
 
 from probkv.cli_args import comma_list, length_list, positive_int, ratio_list
+from probkv.eval.config import RunConfig
+from probkv.eval.store import SUMMARY_JSON, SUMMARY_MD
+from probkv.eval.summary import summary_markdown
+from probkv.eval.tasks import TASK_NAMES
+from probkv.models import DEFAULT_MODEL
 
 # Defaults of `probkv demo` (equal to probkv.eval.demo's; see add_commands).
 DEMO_OUT = "demo-out"
@@ -26,8 +32,6 @@ DEMO_LENGTH = 1200
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
     """Register ``eval``, ``plot`` and ``demo``."""
-    from probkv.models import DEFAULT_MODEL
-
     ev = subparsers.add_parser(
         "eval",
         help="evaluate eviction methods on tasks (results, resume, summary)",
@@ -120,8 +124,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     )
     pl.set_defaults(handler=run_plot_command)
 
-    # The demo's defaults are literals here so that `probkv --help` imports no torch;
-    # tests/eval/test_commands.py checks they equal probkv.eval.demo's constants.
+    # The demo's defaults are literals here so that `probkv --help` does not import the demo
+    # (transformers, matplotlib); tests/eval/test_commands.py checks they equal its constants.
     de = subparsers.add_parser(
         "demo",
         help="side-by-side demo on the default model: full, top-k and probabilistic eviction",
@@ -162,8 +166,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
 
 def run_eval_command(args: argparse.Namespace) -> int:
     """``probkv eval``: build the configuration (everything checked first), run, summarise."""
-    from probkv.eval.runner import SUMMARY_JSON, SUMMARY_MD, RunConfig, run_eval, summary_markdown
-    from probkv.eval.tasks import TASK_NAMES
+    from probkv.eval.runner import run_eval  # loads transformers: only when eval runs
 
     if args.tasks is not None and args.lengths is None:
         raise ValueError("--tasks needs --lengths (prompt lengths in tokens), e.g. 2048,4096")
@@ -207,7 +210,7 @@ def run_eval_command(args: argparse.Namespace) -> int:
 
 def run_plot_command(args: argparse.Namespace) -> int:
     """``probkv plot``: a run folder's figures, or an attention-error file's figure."""
-    from probkv.eval.plots import plot_attention_error_file, plot_run
+    from probkv.eval.plots import plot_attention_error_file, plot_run  # loads matplotlib
 
     path = Path(args.path)
     if path.is_dir():
@@ -225,7 +228,7 @@ def run_plot_command(args: argparse.Namespace) -> int:
 
 def run_demo_command(args: argparse.Namespace) -> int:
     """``probkv demo``: run, print the table, say where the figures are."""
-    from probkv.eval import demo
+    from probkv.eval import demo  # loads transformers and matplotlib
 
     start = time.perf_counter()
     runs = demo.run_demo(
