@@ -8,9 +8,11 @@ A module contributes subcommands by defining::
         parser.add_argument(...)
         parser.set_defaults(handler=run_name)   # run_name(args) -> int exit status
 
-Handlers import heavy dependencies (torch models, transformers) themselves, so ``probkv --help``
-stays fast. Every subcommand accepts ``--threads`` (torch CPU threads, default 1: on the 2-core
-machines probkv is developed on, one thread per process measured faster than two).
+Argument types shared by the subcommands (``positive_int``, ...) live in ``probkv.cli_args``,
+so command modules never import this file. Handlers that need transformers or matplotlib
+import them when they run, so ``probkv --help`` loads neither. Every subcommand accepts
+``--threads`` (torch CPU threads, default 1: on the 2-core machines probkv is developed on,
+one thread per process measured faster than two).
 """
 
 from __future__ import annotations
@@ -21,7 +23,25 @@ import sys
 import time
 from collections.abc import Sequence
 
-#: Modules that contribute subcommands, in ``--help`` order; add yours here.
+import torch
+
+from probkv import __version__
+from probkv.cli_args import positive_int
+from probkv.models import (
+    DEFAULT_MODEL,
+    ModelNotInstalledError,
+    cache_root,
+    chat_prompt_ids,
+    load_model,
+    model_names,
+    model_status,
+    resolve_model,
+)
+
+#: Modules that contribute subcommands, in ``--help`` order; add yours here. Names, not
+#: imports: the registry is data that tests and plugins extend, and ``probkv.cli`` has no
+#: import-time dependency on the modules it wires (they import ``probkv.cli_args``, never
+#: this file, so there is no cycle). ``build_parser`` imports them all.
 COMMAND_MODULES: tuple[str, ...] = (
     "probkv.cli",
     "probkv.eval.attention_error_cli",
@@ -31,25 +51,12 @@ COMMAND_MODULES: tuple[str, ...] = (
 DEFAULT_THREADS = 1
 
 
-def positive_int(value: str) -> int:
-    """argparse type: an integer >= 1 (error message names the bad value)."""
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value!r}")
-    return n
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The full parser: global options plus every module's subcommands."""
     parser = argparse.ArgumentParser(
         prog="probkv",
         description="KV-cache eviction as importance sampling, with decode-time correction.",
     )
-    from probkv import __version__
-
     parser.add_argument("--version", action="version", version=f"probkv {__version__}")
     parser.add_argument(
         "--threads",
@@ -74,12 +81,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``probkv`` console script; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    import torch
-
     torch.set_num_threads(args.threads)
     print(f"[probkv] torch threads: {torch.get_num_threads()} (--threads)", file=sys.stderr)
-    from probkv.models import ModelNotInstalledError
-
     try:
         return int(args.handler(args) or 0)
     except (ValueError, ModelNotInstalledError) as err:
@@ -92,8 +95,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
     """The foundation's subcommands: ``generate`` and ``models``."""
-    from probkv.models import DEFAULT_MODEL
-
     gen = subparsers.add_parser(
         "generate",
         help="greedy generation with a model (no eviction)",
@@ -116,10 +117,6 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
 
 def _run_generate(args: argparse.Namespace) -> int:
     """Load a model (converting its GGUF once into the cache) and answer a prompt greedily."""
-    import torch
-
-    from probkv.models import chat_prompt_ids, load_model, resolve_model
-
     start = time.perf_counter()
     resolved = resolve_model(args.model)
     model, tokenizer = load_model(resolved.path)
@@ -150,8 +147,6 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 def _run_models(args: argparse.Namespace) -> int:
     """Print every registry model: installed or not (with the install command), cache state."""
-    from probkv.models import DEFAULT_MODEL, cache_root, model_names, model_status
-
     print(f"cache: {cache_root()}")
     for name in model_names():
         status = model_status(name)

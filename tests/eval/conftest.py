@@ -1,12 +1,20 @@
-"""Shared fixtures of the evaluation tests: a real tokenizer (slow) and a tiny one (fast)."""
+"""Shared fixtures of the evaluation tests: a real tokenizer (slow) and a tiny one (fast);
+tiny random models saved as Hugging Face folders, examples and run configurations for the
+runner's tests (test_runner, test_job, test_store, test_workers, ...)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import re
 from pathlib import Path
 
 import pytest
+
+from probkv.eval import generate_examples, write_examples
+from probkv.eval.config import RunConfig
+from probkv.eval.plan import job_key
+from probkv.testing import tiny_model, tiny_tokenizer
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -66,3 +74,86 @@ def smollm2_tokenizer():
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(folder), gguf_file=SMOLLM2_GGUF)
+
+
+# -- runs on tiny models -------------------------------------------------------------------------
+
+RUN_METHODS = (
+    "full",
+    "snapkv",
+    "prob:min-h",
+    "prob:min-h/correct=false",
+    "prob:min-h/scope=global",
+)
+TIMING = ("prefill_s", "decode_s", "shared_prefill")
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tiny_model("llama", max_position_embeddings=4096).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma_dir(tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("tiny-gemma3")
+    tiny_model("gemma3", max_position_embeddings=4096).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return str(folder)
+
+
+def _make_examples(num: int = 2, max_new_tokens: int = 4, seed: int = 0):
+    tok = tiny_tokenizer()
+    examples = generate_examples(
+        "niah_single_1", tokenizer=tok, length=500, num_examples=num, seed=seed
+    )
+    examples += generate_examples("qa", tokenizer=tok, length=500, num_examples=1, seed=seed)
+    return [dataclasses.replace(ex, max_new_tokens=max_new_tokens) for ex in examples]
+
+
+def _run_config(model: str, data: Path, **kw) -> RunConfig:
+    fields = {"methods": RUN_METHODS, "ratios": (0.25, 0.5)} | kw
+    return RunConfig(model=model, data=str(data), **fields)
+
+
+def _keyed(rows, drop=TIMING):
+    return {
+        job_key(r["id"], r["method"], r["ratio"]): {k: v for k, v in r.items() if k not in drop}
+        for r in rows
+    }
+
+
+@pytest.fixture
+def run_methods() -> tuple[str, ...]:
+    """The methods of :func:`run_config` by default: full, top-k, min-h and two variants."""
+    return RUN_METHODS
+
+
+@pytest.fixture
+def make_examples():
+    """``make_examples(num=2, max_new_tokens=4, seed=0)``: ``num`` niah_single_1 examples and
+    one qa example of 500 tokens (tiny tokenizer)."""
+    return _make_examples
+
+
+@pytest.fixture
+def data_file(tmp_path) -> Path:
+    path = tmp_path / "data.jsonl"
+    write_examples(path, _make_examples())
+    return path
+
+
+@pytest.fixture
+def run_config():
+    """``run_config(model, data, **fields)``: a RunConfig over a data file, by default
+    :func:`run_methods` at ratios 0.25 and 0.5."""
+    return _run_config
+
+
+@pytest.fixture
+def keyed():
+    """``keyed(rows, drop=timing fields)``: rows by job key, without the fields that vary
+    between runs (timings, and whether the prefill was shared)."""
+    return _keyed

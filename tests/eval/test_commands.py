@@ -11,18 +11,10 @@ import torch
 
 from probkv import cli
 from probkv.eval import commands, demo, generate_examples, write_examples
-from probkv.eval import runner as rn
-from probkv.testing import tiny_model, tiny_tokenizer
+from probkv.eval.store import CONFIG_FILE, RESULTS_FILE, read_results
+from probkv.testing import tiny_tokenizer
 
 torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> str:
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    tiny_model("llama", max_position_embeddings=4096).save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
-    return str(folder)
 
 
 @pytest.fixture
@@ -102,7 +94,7 @@ def test_eval_plot_end_to_end(tiny_dir, data_file, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "# probkv eval" in printed and "| r = 0.25 | r = 0.5 |" in printed
     assert "14 jobs run, 0 already done, 14 in all" in printed
-    rows = rn.read_results(out / rn.RESULTS_FILE)
+    rows = read_results(out / RESULTS_FILE)
     assert {r["method"] for r in rows} == {"full", "snapkv", "prob:min-h", "h2o"}
     assert len(rows) == 2 * (1 + 3 * 2)
     assert cli.main(["plot", str(out), "--out", str(tmp_path / "figs")]) == 0
@@ -118,9 +110,9 @@ def test_eval_generated_tasks(tiny_dir, tmp_path, capsys):
     argv += ["--per-task", "1", "--methods", "snapkv", "--out", str(out), "--no-progress"]
     argv += ["--question-aware", "--seed", "3"]
     assert cli.main(argv) == 0
-    (row,) = rn.read_results(out / rn.RESULTS_FILE)
+    (row,) = read_results(out / RESULTS_FILE)
     assert row["id"] == "niah_single_1-500-3-0" and row["question_aware"] and row["seed"] == 3
-    assert json.loads((out / rn.CONFIG_FILE).read_text())["question_aware"] is True
+    assert json.loads((out / CONFIG_FILE).read_text())["question_aware"] is True
 
 
 def test_malformed_data_via_cli(tiny_dir, data_file, tmp_path, capsys):

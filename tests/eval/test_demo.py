@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from probkv.eval import demo
-from probkv.eval import runner as rn
+from probkv.eval.plan import plan_units
+from probkv.eval.store import RESULTS_FILE, SUMMARY_MD
+from probkv.eval.summary import summarize
 from probkv.models import DEFAULT_MODEL
 from probkv.testing import tiny_model, tiny_tokenizer
 
@@ -24,7 +26,7 @@ def test_demo_config():
     assert cfg.tasks == ("niah_single_1", "niah_single_2", "niah_multikey_1")
     assert 1000 <= cfg.lengths[0] <= 2000
     # The global-scope variant observes what prob:min-h observes: it shares its prefill.
-    units = rn.plan_units(
+    units = plan_units(
         [pytest.importorskip("probkv.eval").Example("x", "t", "c", "q", ("a",), 4)],
         cfg.jobs_per_example(),
     )
@@ -53,7 +55,7 @@ def test_demo_table():
                 "decode_s": 1.0,
             }
         )
-    table = demo.demo_table(rn.summarize(rows))
+    table = demo.demo_table(summarize(rows))
     lines = table.splitlines()
     assert lines[0].startswith("| method | niah_single_1 | average | effective r | cache |")
     assert lines[2] == "| full (no eviction) | 1.00 | 1.000 | 0.000 ± 0.000 | 1.0 MiB | 2.0 | 1.0 |"
@@ -79,9 +81,9 @@ def test_run_demo_on_a_tiny_model(tmp_path, capsys):
             "win_score_vs_ratio.png",
         ]
         assert all(p.parent == out / run.setting and p.stat().st_size > 0 for p in figures.paths)
-        assert (out / run.setting / rn.SUMMARY_MD).is_file()
+        assert (out / run.setting / SUMMARY_MD).is_file()
     # Run again with other settings: the old run is moved aside, not mixed in or lost.
     again = demo.run_demo(out, model=str(folder), workers=1, length=500, per_task=2, progress=False)
     first = runs[0].report
     assert again[0].report.jobs_skipped == 0 and again[0].report.jobs_total == 2 * first.jobs_total
-    assert (out / runs[0].setting / "previous-1" / rn.RESULTS_FILE).is_file()
+    assert (out / runs[0].setting / "previous-1" / RESULTS_FILE).is_file()

@@ -8,7 +8,8 @@ import json
 import pytest
 
 from probkv.eval import plots
-from probkv.eval import runner as rn
+from probkv.eval.store import RESULTS_FILE
+from probkv.eval.summary import summarize
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -61,7 +62,7 @@ def rows():
 
 @pytest.fixture
 def summary():
-    return rn.summarize(
+    return summarize(
         rows(), config={"model": "tiny", "methods": ["full", "snapkv", "prob:min-h/scope=global"]}
     )
 
@@ -156,7 +157,7 @@ def test_run_figures_reject_empty(tmp_path, maker):
 
 
 def test_figures_that_do_not_apply_say_why(summary, tmp_path):
-    only_full_and_one = rn.summarize([r for r in rows() if r["method"] in ("full", "snapkv")])
+    only_full_and_one = summarize([r for r in rows() if r["method"] in ("full", "snapkv")])
     with pytest.raises(ValueError, match="at least 2 eviction methods"):
         plots.plot_win_scores(only_full_and_one, tmp_path / "w.png")
     with pytest.raises(ValueError, match=r"scope=global or pyramidkv .*'snapkv'"):
@@ -183,7 +184,7 @@ def test_varies_by_layer():
 def test_plot_run_reads_a_results_folder(tmp_path):
     folder = tmp_path / "run"
     folder.mkdir()
-    (folder / rn.RESULTS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows()))
+    (folder / RESULTS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows()))
     figures = plots.plot_run(folder)
     assert len(figures.paths) == 5 and not figures.skipped
     for p in figures.paths:
@@ -192,7 +193,7 @@ def test_plot_run_reads_a_results_folder(tmp_path):
     with pytest.raises(ValueError, match=r"no results\.jsonl"):
         plots.plot_run(tmp_path)
     (tmp_path / "empty").mkdir()
-    (tmp_path / "empty" / rn.RESULTS_FILE).write_text("")
+    (tmp_path / "empty" / RESULTS_FILE).write_text("")
     with pytest.raises(ValueError, match="no finished jobs"):
         plots.plot_run(tmp_path / "empty")
 

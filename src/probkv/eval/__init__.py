@@ -5,7 +5,8 @@ only the model-free parts: examples and their JSONL form (:mod:`.examples`, :mod
 :mod:`.longbench`), prompt assembly (:mod:`.prompt`), the seeded task generators
 (:mod:`.tasks`, :mod:`.haystack`), scorers (:mod:`.scorers`) and the win score / average total
 score (:mod:`.winscore`). The parts that run a model are imported from their modules:
-:mod:`.runner` (``run_eval``, ``RunConfig``, ``summarize``; ``probkv eval``),
+:mod:`.runner` (``run_eval``; ``probkv eval``; its parts: :mod:`.config`, :mod:`.plan`,
+:mod:`.store`, :mod:`.summary`, :mod:`.job`, :mod:`.workers`),
 :mod:`.attention_error` (``probkv attention-error``), :mod:`.plots` (``probkv plot``) and
 :mod:`.demo` (``probkv demo``).
 """

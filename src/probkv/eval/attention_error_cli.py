@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from probkv.cli import positive_int
+from probkv.cli_args import positive_int
 
 TAUS = "1,2,5,10,50"
 RATIOS = "0.25,0.5,0.75,0.9"

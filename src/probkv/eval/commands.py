@@ -5,7 +5,8 @@
 - ``probkv plot PATH``: the figures of a run folder, or of an attention-error JSON file.
 - ``probkv demo``: :mod:`probkv.eval.demo`.
 
-Heavy imports (torch, transformers, matplotlib) happen inside the handlers.
+The handlers import the modules that load transformers (the runner, the demo) or matplotlib
+(the plots) when they run, so that ``probkv --help`` loads neither.
 """
 
 from __future__ import annotations
@@ -15,7 +16,12 @@ import sys
 import time
 from pathlib import Path
 
-from probkv.cli import positive_int
+from probkv.cli_args import comma_list, length_list, positive_int, ratio_list
+from probkv.eval.config import RunConfig
+from probkv.eval.store import SUMMARY_JSON, SUMMARY_MD
+from probkv.eval.summary import summary_markdown
+from probkv.eval.tasks import TASK_NAMES
+from probkv.models import DEFAULT_MODEL
 
 # Defaults of `probkv demo` (equal to probkv.eval.demo's; see add_commands).
 DEMO_OUT = "demo-out"
@@ -24,39 +30,8 @@ DEMO_PER_TASK = 3
 DEMO_LENGTH = 1200
 
 
-def comma_list(value: str) -> list[str]:
-    """argparse type: a non-empty comma-separated list (``a,b,c``)."""
-    items = [v.strip() for v in value.split(",")]
-    if not value.strip() or any(not v for v in items):
-        raise argparse.ArgumentTypeError(f"must be a comma-separated list, got {value!r}")
-    return items
-
-
-def ratio_list(value: str) -> list[float]:
-    """argparse type: comma-separated compression ratios in [0, 1)."""
-    out = []
-    for item in comma_list(value):
-        try:
-            r = float(item)
-        except ValueError:
-            r = -1.0
-        if not 0.0 <= r < 1.0:
-            raise argparse.ArgumentTypeError(
-                f"ratios must be numbers in [0, 1) (fraction evicted), got {item!r}"
-            )
-        out.append(r)
-    return out
-
-
-def length_list(value: str) -> list[int]:
-    """argparse type: comma-separated positive integers (prompt lengths in tokens)."""
-    return [positive_int(item) for item in comma_list(value)]
-
-
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
     """Register ``eval``, ``plot`` and ``demo``."""
-    from probkv.models import DEFAULT_MODEL
-
     ev = subparsers.add_parser(
         "eval",
         help="evaluate eviction methods on tasks (results, resume, summary)",
@@ -149,8 +124,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     )
     pl.set_defaults(handler=run_plot_command)
 
-    # The demo's defaults are literals here so that `probkv --help` imports no torch;
-    # tests/eval/test_commands.py checks they equal probkv.eval.demo's constants.
+    # The demo's defaults are literals here so that `probkv --help` does not import the demo
+    # (transformers, matplotlib); tests/eval/test_commands.py checks they equal its constants.
     de = subparsers.add_parser(
         "demo",
         help="side-by-side demo on the default model: full, top-k and probabilistic eviction",
@@ -191,8 +166,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
 
 def run_eval_command(args: argparse.Namespace) -> int:
     """``probkv eval``: build the configuration (everything checked first), run, summarise."""
-    from probkv.eval.runner import SUMMARY_JSON, SUMMARY_MD, RunConfig, run_eval, summary_markdown
-    from probkv.eval.tasks import TASK_NAMES
+    from probkv.eval.runner import run_eval  # loads transformers: only when eval runs
 
     if args.tasks is not None and args.lengths is None:
         raise ValueError("--tasks needs --lengths (prompt lengths in tokens), e.g. 2048,4096")
@@ -236,7 +210,7 @@ def run_eval_command(args: argparse.Namespace) -> int:
 
 def run_plot_command(args: argparse.Namespace) -> int:
     """``probkv plot``: a run folder's figures, or an attention-error file's figure."""
-    from probkv.eval.plots import plot_attention_error_file, plot_run
+    from probkv.eval.plots import plot_attention_error_file, plot_run  # loads matplotlib
 
     path = Path(args.path)
     if path.is_dir():
@@ -254,7 +228,7 @@ def run_plot_command(args: argparse.Namespace) -> int:
 
 def run_demo_command(args: argparse.Namespace) -> int:
     """``probkv demo``: run, print the table, say where the figures are."""
-    from probkv.eval import demo
+    from probkv.eval import demo  # loads transformers and matplotlib
 
     start = time.perf_counter()
     runs = demo.run_demo(

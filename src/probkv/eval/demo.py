@@ -25,6 +25,7 @@ from typing import Any
 
 from probkv.eval.plots import Figures, plot_summary
 from probkv.eval.runner import FULL, RunConfig, RunReport, format_bytes, run_eval
+from probkv.models import DEFAULT_MODEL
 
 DEMO_METHODS = (
     "full",
@@ -53,8 +54,6 @@ def demo_config(
     question_aware: bool = False,
 ) -> RunConfig:
     """One setting's run configuration (default model, :data:`DEMO_METHODS` at r = 0.5)."""
-    from probkv.models import DEFAULT_MODEL
-
     return RunConfig(
         model=model or DEFAULT_MODEL,
         methods=DEMO_METHODS,

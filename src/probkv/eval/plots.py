@@ -1,6 +1,6 @@
 """Figures of an evaluation run and of the attention-error experiment (SPEC S7), as PNG files.
 
-From a run's summary (:func:`probkv.eval.runner.summarize`):
+From a run's summary (:func:`probkv.eval.summary.summarize`):
 
 - :func:`plot_scores`: average total score vs target compression ratio, one line per method,
   ``full`` as a dashed reference line; :func:`plot_scores_by_task`: the same per task.
@@ -30,16 +30,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-FULL = "full"
+from matplotlib import colormaps
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from probkv.eval.config import FULL
+from probkv.eval.store import load_run
+from probkv.eval.summary import format_bytes, summarize
+from probkv.policies import parse_method
+
 DPI = 150
 _FONT = {"title": 12, "label": 11, "tick": 10, "legend": 9}
 _REFERENCE_STYLE = {"color": "black", "linestyle": "--", "linewidth": 1.3}
 
 
 def _figure(width: float, height: float):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     fig = Figure(figsize=(width, height), dpi=DPI)
     FigureCanvasAgg(fig)
     return fig
@@ -67,8 +73,6 @@ def _legend(ax, handles_count: int) -> None:
 
 
 def _colors(n: int) -> list:
-    from matplotlib import colormaps
-
     cmap = colormaps["tab10" if n <= 10 else "tab20"]
     return [cmap(i % cmap.N) for i in range(n)]
 
@@ -88,7 +92,7 @@ def _check_summary(summary: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     if not isinstance(summary, Mapping) or not summary.get("entries"):
         raise ValueError(
             "the summary has no entries (no finished jobs); run probkv eval first "
-            "(summary = probkv.eval.runner.summarize(rows))"
+            "(summary = probkv.eval.summary.summarize(rows))"
         )
     return list(summary["entries"])
 
@@ -272,8 +276,6 @@ def plot_win_scores(summary: Mapping[str, Any], path: str | os.PathLike[str]) ->
 def varies_by_layer(method: str) -> bool:
     """Whether ``method`` gives layers different budgets: the global scope (S3) or PyramidKV
     layer budgets (S5). Names that no longer parse count as False."""
-    from probkv.policies import parse_method
-
     try:
         policy = parse_method(method, 0.5)
     except ValueError:
@@ -303,8 +305,6 @@ def plot_layer_ratios(
             "e.g. prob:min-h/scope=global or pyramidkv (summary 'layers' has "
             f"{sorted({item['method'] for item in layers})})"
         )
-    from matplotlib.ticker import MaxNLocator
-
     ncols = min(2, len(chosen))
     nrows = math.ceil(len(chosen) / ncols)
     fig = _figure(6.2 * ncols + 1.6, 3.8 * nrows + 0.9)
@@ -343,8 +343,6 @@ def plot_layer_ratios(
 def compression_rows(summary: Mapping[str, Any]) -> list[list[str]]:
     """Rows of the target vs effective compression table (Appendix F.2): method, target r,
     effective r (mean +- std over examples), cache size (mean), examples."""
-    from probkv.eval.runner import format_bytes
-
     entries = _check_summary(summary)
     return [
         [
@@ -471,8 +469,6 @@ def plot_attention_error(data: Any, path: str | os.PathLike[str]) -> Path:
     keys = sorted(series, key=_series_order)
     fixed = {"topk": "black", "topk_proposal": "tab:gray", "uncorrected": "tab:red"}
     corrected = [k for k in keys if k[0] == "corrected"]
-    from matplotlib import colormaps
-
     ramp = colormaps["viridis"]
     shades = {k: ramp(0.05 + 0.8 * i / max(len(corrected) - 1, 1)) for i, k in enumerate(corrected)}
     fig = _figure(6.4 * len(steps) + 2.6, 4.8)
@@ -563,8 +559,6 @@ def plot_run(
 ) -> Figures:
     """The figures of an evaluation run folder (from its results, so a partial run plots
     too), written into ``out_dir`` (default: the run folder)."""
-    from probkv.eval.runner import load_run, summarize
-
     rows, config = load_run(run_dir)
     if not rows:
         raise ValueError(f"{run_dir} has no finished jobs in its results yet")

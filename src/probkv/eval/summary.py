@@ -1,0 +1,275 @@
+"""A run's summary (SPEC S7): ``summary.json`` (:func:`summarize`) and ``summary.md``
+(:func:`summary_markdown`), computed from the results rows alone, so a partial run and a
+rerun summarise alike.
+
+The win score (S7) ranks the *eviction* methods of one ratio on the examples all of them
+have finished; ``full`` is not ranked (it is the upper reference, as in the paper) and is
+shown next to every ratio, since it does not depend on the ratio.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from probkv.eval.config import FULL, RunConfig
+from probkv.eval.store import SUMMARY_JSON, SUMMARY_MD, check_row, write_atomic
+from probkv.eval.winscore import average_total_score, score_table, win_scores
+
+_SUMMARY_KEYS = ("effective_ratio", "cache_bytes", "prefill_s", "decode_s")
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values)
+
+
+def _std(values: Sequence[float]) -> float:
+    """Sample standard deviation (n - 1 denominator); 0 for a single value."""
+    return statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def summarize(
+    rows: Sequence[Mapping[str, Any]],
+    *,
+    config: RunConfig | Mapping[str, Any] | None = None,
+    jobs_total: int | None = None,
+) -> dict[str, Any]:
+    """Aggregate results rows (SPEC S7; Appendix F.2 for the compression ratios).
+
+    Returns a JSON-ready dict:
+
+    - ``model``, ``question_aware``, ``tasks`` (examples per task), ``num_examples``,
+      ``methods`` (run order), ``ratios``, ``jobs_done``, ``jobs_total``, ``complete``;
+    - ``entries``: one per (method, ratio) with rows (``full`` at ratio 0): ``num_examples``,
+      ``task_scores`` (mean score per task), ``average_total`` (S7: split means weighted by
+      each split's share of the examples), ``effective_ratio_mean``/``_std`` (over examples,
+      n - 1 denominator), ``cache_bytes_mean``, ``prefill_s_mean``, ``decode_s_mean``;
+    - ``win_scores``: per ratio, the win score (S7) of each eviction method on the examples
+      every eviction method finished at that ratio (``full`` excluded; needs 2 methods);
+    - ``layers``: per (method, ratio) the mean and std over examples of each evicting layer's
+      effective ratio (the paper's Figure 9).
+    """
+    if not rows:
+        raise ValueError("no results rows to summarize (the run has not finished any job)")
+    cfg = config.to_json() if isinstance(config, RunConfig) else dict(config or {})
+    for i, r in enumerate(rows):
+        check_row(r, f"row {i}")
+        missing = [k for k in _SUMMARY_KEYS if k not in r]
+        if missing:
+            raise ValueError(f"row {i}: results row lacks the field(s) {missing}")
+    order = list(cfg.get("methods") or [])
+    order += [m for m in dict.fromkeys(r["method"] for r in rows) if m not in order]
+    methods = [m for m in order if any(r["method"] == m for r in rows)]
+    groups: dict[tuple[str, float], list[Mapping[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["method"], float(r["ratio"])), []).append(r)
+    tasks: dict[str, set[str]] = {}
+    for r in rows:
+        tasks.setdefault(r["task"], set()).add(r["id"])
+    entries = []
+    for method in methods:
+        for ratio in sorted({k[1] for k in groups if k[0] == method}):
+            group = groups[(method, ratio)]
+            table = score_table(group)
+            split_scores = {t: [s[method] for s in ex.values()] for t, ex in table.items()}
+            entries.append(
+                {
+                    "method": method,
+                    "ratio": ratio,
+                    "num_examples": len(group),
+                    "task_scores": {t: _mean(v) for t, v in sorted(split_scores.items())},
+                    "average_total": average_total_score(split_scores),
+                    "effective_ratio_mean": _mean([r["effective_ratio"] for r in group]),
+                    "effective_ratio_std": _std([r["effective_ratio"] for r in group]),
+                    "cache_bytes_mean": _mean([r["cache_bytes"] for r in group]),
+                    "prefill_s_mean": _mean([r["prefill_s"] for r in group]),
+                    "decode_s_mean": _mean([r["decode_s"] for r in group]),
+                }
+            )
+    win = []
+    for ratio in sorted({k[1] for k in groups if k[0] != FULL}):
+        ranked = [m for m in methods if m != FULL and (m, ratio) in groups]
+        if len(ranked) < 2:
+            continue
+        common = set.intersection(*({r["id"] for r in groups[(m, ratio)]} for m in ranked))
+        if not common:
+            continue
+        table = score_table(r for m in ranked for r in groups[(m, ratio)] if r["id"] in common)
+        win.append({"ratio": ratio, "num_examples": len(common), "scores": win_scores(table)})
+    layers = []
+    for (method, ratio), group in groups.items():
+        per_layer: dict[int, list[float]] = {}
+        for r in group:
+            for item in r.get("layers") or ():
+                per_layer.setdefault(int(item["layer"]), []).append(item["effective_ratio"])
+        if per_layer:
+            idx = sorted(per_layer)
+            layers.append(
+                {
+                    "method": method,
+                    "ratio": ratio,
+                    "layer": idx,
+                    "effective_ratio_mean": [_mean(per_layer[i]) for i in idx],
+                    "effective_ratio_std": [_std(per_layer[i]) for i in idx],
+                }
+            )
+    ratios = cfg.get("ratios") or sorted({k[1] for k in groups if k[0] != FULL})
+    total = jobs_total if jobs_total is not None else len(rows)
+    return {
+        "model": cfg.get("model") or rows[0].get("model"),
+        "question_aware": cfg.get("question_aware", rows[0].get("question_aware", False)),
+        "tasks": {t: len(ids) for t, ids in sorted(tasks.items())},
+        "num_examples": len({r["id"] for r in rows}),
+        "methods": methods,
+        "ratios": [float(r) for r in ratios],
+        "jobs_done": len(rows),
+        "jobs_total": total,
+        "complete": len(rows) >= total,
+        "entries": entries,
+        "win_scores": win,
+        "layers": layers,
+    }
+
+
+def _fmt(value: float | None, digits: int = 3) -> str:
+    return (
+        "—"
+        if value is None or (isinstance(value, float) and math.isnan(value))
+        else f"{value:.{digits}f}"
+    )
+
+
+def format_bytes(n: float) -> str:
+    """``"25.5 MiB"``, ``"96.0 KiB"``, ``"512 B"``: cache sizes at a readable scale."""
+    if n >= 2**20:
+        return f"{n / 2**20:.1f} MiB"
+    if n >= 2**10:
+        return f"{n / 2**10:.1f} KiB"
+    return f"{n:.0f} B"
+
+
+def _table(header: Sequence[str], body: Sequence[Sequence[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in body]
+    return lines
+
+
+def _entry(summary: Mapping[str, Any], method: str, ratio: float) -> Mapping[str, Any] | None:
+    for e in summary["entries"]:
+        if e["method"] == method and (method == FULL or e["ratio"] == ratio):
+            return e
+    return None
+
+
+def summary_markdown(summary: Mapping[str, Any]) -> str:
+    """The summary as Markdown tables: average total score, win score, score per task for
+    each ratio, target vs effective compression ratio (Appendix F.2) and timings."""
+    ratios = summary["ratios"]
+    methods = summary["methods"]
+    tasks = summary["tasks"]
+    mode = "question-aware" if summary.get("question_aware") else "question-agnostic"
+    name = lambda m: "full (no eviction)" if m == FULL else m  # noqa: E731
+    lines = [
+        f"# probkv eval: {summary['model']}",
+        "",
+        f"{summary['num_examples']} examples in {len(tasks)} tasks "
+        f"({', '.join(f'{t}: {n}' for t, n in tasks.items())}); {mode} eviction; "
+        f"{summary['jobs_done']}/{summary['jobs_total']} jobs done"
+        + ("" if summary["complete"] else " (incomplete: rerun the same command to resume)")
+        + ".",
+        "",
+        "## Average total score (SPEC S7)",
+        "",
+        "Task means weighted by each task's share of the examples. `full` does not depend on "
+        "the ratio: its one value is repeated as the reference.",
+        "",
+    ]
+    body = []
+    for m in methods:
+        cells = [_fmt(e["average_total"]) if (e := _entry(summary, m, r)) else "—" for r in ratios]
+        body.append([name(m), *cells])
+    lines += _table(["method", *(f"r = {r:g}" for r in ratios)], body)
+    if summary["win_scores"]:
+        ranked = [m for m in methods if m != FULL]
+        lines += ["", "## Win score (SPEC S7)", ""]
+        lines += [
+            "Mean rank of each eviction method per example (ties count as wins), averaged per "
+            "task, tasks weighted equally, normalised to [0, 1]; `full` is not ranked.",
+            "",
+        ]
+        by_ratio = {w["ratio"]: w for w in summary["win_scores"]}
+        body = []
+        for m in ranked:
+            body.append(
+                [m, *(_fmt(by_ratio[r]["scores"].get(m)) if r in by_ratio else "—" for r in ratios)]
+            )
+        body.append(
+            [
+                "(examples)",
+                *(str(by_ratio[r]["num_examples"]) if r in by_ratio else "—" for r in ratios),
+            ]
+        )
+        lines += _table(["method", *(f"r = {r:g}" for r in ratios)], body)
+    for r in ratios:
+        lines += ["", f"## Score per task, r = {r:g}", ""]
+        body = []
+        for m in methods:
+            e = _entry(summary, m, r)
+            if e is None:
+                continue
+            body.append(
+                [name(m), *(_fmt(e["task_scores"].get(t)) for t in tasks), _fmt(e["average_total"])]
+            )
+        lines += _table(["method", *tasks, "average total"], body)
+    lines += ["", "## Target vs effective compression ratio (Appendix F.2)", ""]
+    lines += [
+        "Effective ratio: fraction of the prompt's cache entries evicted, mean over layers and "
+        "KV heads; mean ± std over examples. Cache: bytes held right after eviction.",
+        "",
+    ]
+    body = []
+    for e in summary["entries"]:
+        body.append(
+            [
+                name(e["method"]),
+                f"{e['ratio']:g}",
+                f"{e['effective_ratio_mean']:.3f} ± {e['effective_ratio_std']:.3f}",
+                format_bytes(e["cache_bytes_mean"]),
+                f"{e['prefill_s_mean']:.2f}",
+                f"{e['decode_s_mean']:.2f}",
+                str(e["num_examples"]),
+            ]
+        )
+    lines += _table(
+        [
+            "method",
+            "target r",
+            "effective r",
+            "cache",
+            "prefill + evict s",
+            "decode s",
+            "examples",
+        ],
+        body,
+    )
+    return "\n".join(lines) + "\n"
+
+
+def write_summary(
+    out_dir: str | os.PathLike[str],
+    rows: Sequence[Mapping[str, Any]],
+    *,
+    config: RunConfig | Mapping[str, Any] | None = None,
+    jobs_total: int | None = None,
+) -> dict[str, Any]:
+    """Write ``summary.json`` and ``summary.md`` into ``out_dir``; returns the summary."""
+    out = Path(out_dir)
+    summary = summarize(rows, config=config, jobs_total=jobs_total)
+    write_atomic(out / SUMMARY_JSON, json.dumps(summary, indent=2) + "\n")
+    write_atomic(out / SUMMARY_MD, summary_markdown(summary))
+    return summary

@@ -1,0 +1,85 @@
+"""Running units in worker processes (``probkv eval --workers N``).
+
+Each worker is a spawned process that loads the model once and runs units from a shared
+queue until a ``None`` sentinel; rows come back as they finish, so the parent appends them to
+the results file in finishing order. A failing worker stops the others; the rows finished so
+far still reach the parent first (a rerun resumes from them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import queue
+import traceback
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from probkv.eval.job import JobSettings, load_prepared_model, run_unit
+from probkv.eval.plan import Unit
+
+
+def _worker_main(settings: JobSettings, threads: int, tasks, results) -> None:
+    """A worker process: load the model once, run units until the ``None`` sentinel, send
+    ``("row", row)`` per finished job and ``("done", n)`` per unit; ``("error", text)`` on
+    failure."""
+    try:
+        model, tokenizer = load_prepared_model(settings.model, threads)
+        while (unit := tasks.get()) is not None:
+            for row in run_unit(model, tokenizer, unit, settings):
+                results.put(("row", row))
+            results.put(("done", len(unit.jobs)))
+    except BaseException:
+        results.put(("error", traceback.format_exc()))
+
+
+def run_in_workers(
+    units: Sequence[Unit], settings: JobSettings, workers: int, threads: int
+) -> Iterator[dict[str, Any]]:
+    """Run units in ``workers`` spawned processes (each loads the model once, with
+    ``threads`` torch threads); yield rows as they finish. A failure in a worker stops the
+    others and raises."""
+    ctx = multiprocessing.get_context("spawn")
+    tasks, results = ctx.Queue(), ctx.Queue()
+    for unit in units:
+        tasks.put(unit)
+    procs = [
+        ctx.Process(target=_worker_main, args=(settings, threads, tasks, results), daemon=True)
+        for _ in range(workers)
+    ]
+    for _ in procs:
+        tasks.put(None)
+    for p in procs:
+        p.start()
+    expected = sum(len(u.jobs) for u in units)
+    received = 0
+    try:
+        while received < expected:
+            try:
+                kind, payload = results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(
+                        f"a worker process died (exit code {dead[0].exitcode}); finished jobs "
+                        "are saved, rerun to resume"
+                    ) from None
+                continue
+            if kind == "error":
+                # Keep what the other workers already finished, then stop.
+                with contextlib.suppress(queue.Empty):
+                    while True:
+                        other_kind, other = results.get(timeout=0.5)
+                        if other_kind == "row":
+                            received += 1
+                            yield other
+                raise RuntimeError(f"a worker failed; finished jobs are saved:\n{payload}")
+            if kind == "row":
+                received += 1
+                yield payload
+    finally:
+        for p in procs:
+            if p.is_alive() and received < expected:
+                p.terminate()
+        for p in procs:
+            p.join(timeout=30)

@@ -1,0 +1,96 @@
+"""Run summary (probkv.eval.summary): average total score, win score on common examples,
+effective ratios, the Markdown tables; checked against values computed by hand (SPEC S7)."""
+
+from __future__ import annotations
+
+import pytest
+
+from probkv.eval.summary import format_bytes, summarize, summary_markdown
+
+
+def hand_rows():
+    """Two tasks (A: a1, a2; B: b1), full + m1 + m2 at r = 0.5, m1 also at r = 0.25."""
+
+    def row(id_, task, method, ratio, score, eff, nbytes):
+        return {
+            "id": id_,
+            "task": task,
+            "method": method,
+            "ratio": ratio,
+            "score": score,
+            "effective_ratio": eff,
+            "cache_bytes": nbytes,
+            "prefill_s": 1.0,
+            "decode_s": 2.0,
+            "model": "hand",
+        }
+
+    rows = []
+    for id_, task, s_full, s1, s2, e1 in [
+        ("a1", "A", 1.0, 1.0, 0.0, 0.48),
+        ("a2", "A", 1.0, 0.5, 0.5, 0.50),
+        ("b1", "B", 0.0, 0.0, 1.0, 0.52),
+    ]:
+        rows.append(row(id_, task, "full", 0.0, s_full, 0.0, 400))
+        rows.append(row(id_, task, "m1", 0.5, s1, e1, 200))
+        rows.append(row(id_, task, "m2", 0.5, s2, 0.5, 100))
+    rows.append(row("a1", "A", "m1", 0.25, 1.0, 0.25, 300))
+    return rows
+
+
+def test_summary_by_hand():
+    summary = summarize(
+        hand_rows(), config={"methods": ["full", "m1", "m2"], "ratios": [0.25, 0.5]}
+    )
+    entries = {(e["method"], e["ratio"]): e for e in summary["entries"]}
+    assert set(entries) == {("full", 0.0), ("m1", 0.25), ("m1", 0.5), ("m2", 0.5)}
+    m1, m2, full = entries[("m1", 0.5)], entries[("m2", 0.5)], entries[("full", 0.0)]
+    assert m1["task_scores"] == {"A": 0.75, "B": 0.0}
+    assert m2["task_scores"] == {"A": 0.25, "B": 1.0}
+    # S7 average total score: task means weighted by share, (2/3)*0.75 + (1/3)*0 = 0.5.
+    assert m1["average_total"] == pytest.approx(0.5)
+    assert m2["average_total"] == pytest.approx(2 / 3 * 0.25 + 1 / 3 * 1.0)
+    assert full["average_total"] == pytest.approx(2 / 3)
+    assert m1["effective_ratio_mean"] == pytest.approx(0.5)
+    assert m1["effective_ratio_std"] == pytest.approx(0.02)  # sample std of 0.48, 0.50, 0.52
+    assert m1["cache_bytes_mean"] == 200 and full["cache_bytes_mean"] == 400
+    assert entries[("m1", 0.25)]["num_examples"] == 1
+    # Win score at r = 0.5 (n = 2 methods, full not ranked; ties are wins for both):
+    # a1: m1 1, m2 0; a2: tie, both 1; b1: m1 0, m2 1. Task A: m1 1.0, m2 0.5; task B: m1 0,
+    # m2 1. Tasks weigh equally: m1 0.5, m2 0.75.
+    (win,) = summary["win_scores"]
+    assert win["ratio"] == 0.5 and win["num_examples"] == 3
+    assert win["scores"] == pytest.approx({"m1": 0.5, "m2": 0.75})
+    # r = 0.25 has one method only: no win score there.
+    assert summary["tasks"] == {"A": 2, "B": 1} and summary["num_examples"] == 3
+    md = summary_markdown(summary)
+    assert "| m1 | 1.000 | 0.500 |" in md  # average total per ratio
+    assert "| m2 | — | 0.750 |" in md  # win score table
+    assert "| m1 | 0.5 | 0.500 ± 0.020 |" in md
+
+
+def test_summary_win_score_uses_common_examples():
+    rows = [r for r in hand_rows() if not (r["method"] == "m2" and r["id"] == "b1")]
+    summary = summarize(rows)
+    (win,) = summary["win_scores"]
+    # Only a1 and a2 (task A) were finished by both: m1 ranks 1, 1; m2 ranks 0, 1.
+    assert win["num_examples"] == 2
+    assert win["scores"] == pytest.approx({"m1": 1.0, "m2": 0.5})
+    assert not summary["complete"] or summary["jobs_total"] == len(rows)
+
+
+def test_summary_rejects_empty_and_incomplete_rows():
+    with pytest.raises(ValueError, match="no results rows"):
+        summarize([])
+    row = hand_rows()[0]
+    del row["cache_bytes"]
+    with pytest.raises(
+        ValueError, match=r"row 0: results row lacks the field\(s\) \['cache_bytes'\]"
+    ):
+        summarize([row])
+
+
+def test_format_bytes():
+    assert format_bytes(512) == "512 B"
+    assert format_bytes(96 * 1024) == "96.0 KiB"
+    assert format_bytes(25.5 * 2**20) == "25.5 MiB"

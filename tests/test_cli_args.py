@@ -1,0 +1,59 @@
+"""argparse value types shared by the subcommands (probkv.cli_args), and the import graph of
+the command line: command modules do not import probkv.cli, ``--help`` loads no model code."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+import pytest
+
+from probkv.cli_args import comma_list, length_list, positive_int, ratio_list
+
+
+def test_valid_values():
+    assert positive_int("3") == 3
+    assert comma_list(" a, b ,c") == ["a", "b", "c"]
+    assert ratio_list("0,0.5,0.99") == [0.0, 0.5, 0.99]
+    assert length_list("2048,4096") == [2048, 4096]
+
+
+@pytest.mark.parametrize(
+    ("parse", "bad", "message"),
+    [
+        (positive_int, "0", "integer >= 1, got '0'"),
+        (positive_int, "x", "integer >= 1, got 'x'"),
+        (comma_list, "a,,b", "comma-separated list, got 'a,,b'"),
+        (comma_list, " ", "comma-separated list"),
+        (ratio_list, "0.5,1", r"\[0, 1\) \(fraction evicted\), got '1'"),
+        (ratio_list, "half", "got 'half'"),
+        (length_list, "100,-1", "integer >= 1, got '-1'"),
+    ],
+)
+def test_bad_values_name_the_value(parse, bad, message):
+    with pytest.raises(argparse.ArgumentTypeError, match=message):
+        parse(bad)
+
+
+# Runs in a fresh interpreter: which modules each step has loaded so far.
+PROBE = """
+import json, sys
+import probkv.eval.commands, probkv.eval.attention_error_cli
+after_commands = "probkv.cli" in sys.modules
+from probkv import cli
+try:
+    cli.main(["--help"])
+except SystemExit:
+    pass
+heavy = [m for m in ("transformers", "matplotlib", "probkv.hf") if m in sys.modules]
+print(json.dumps([after_commands, heavy]))
+"""
+
+
+def test_command_modules_do_not_import_the_cli_and_help_loads_no_model_code():
+    done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, check=True)
+    after_commands, heavy = json.loads(done.stdout.splitlines()[-1])
+    assert after_commands is False  # no cli -> commands -> cli cycle
+    assert heavy == []  # `probkv --help` stays fast: no transformers, matplotlib or hf
