@@ -109,6 +109,15 @@ def test_cli_missing_gguf_names_the_file(tmp_path, cache):
     _clear_error(_run(["generate", "--model", str(gone)], cache), f"'{gone}' does not exist")
 
 
+def test_cli_unwritable_cache_folder_names_it_and_the_variable(tmp_path, gguf):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    done = _run(["generate", "--model", str(gguf)], blocker / "cache")
+    _clear_error(
+        done, f"cannot write the model cache folder {blocker / 'cache'}", f"set {CACHE_ENV} to"
+    )
+
+
 def test_cli_corrupted_cache_is_rebuilt_with_a_message(cache, gguf):
     """Overwritten weights and an edited config (same sizes) in the cached conversion: the
     next `probkv generate` says so on stderr, converts again and answers from the real model."""

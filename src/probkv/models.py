@@ -395,7 +395,14 @@ def _convert_into_cache(parts: Sequence[Path], sha: str, gguf_name: str) -> Reso
         return ResolvedModel(final, "cache")
     if len(parts) == 1:  # refuse a file that is not a GGUF before writing anything
         check_gguf_header(parts[0])
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        (root / f".{key}.lock").touch()  # probes write access before any work starts
+    except OSError as err:
+        raise ValueError(
+            f"cannot write the model cache folder {root} ({type(err).__name__}: {err}); "
+            f"set {CACHE_ENV} to a writable folder"
+        ) from None
     with _lock(root / f".{key}.lock"):
         problem = _cache_problem(final, key, sha)
         if problem is None:  # another process finished while we waited
