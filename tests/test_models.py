@@ -628,6 +628,11 @@ def test_max_positions_of_text_and_gemma3_multimodal_configs():
         models.max_positions(types.SimpleNamespace())
 
 
+def test_model_max_positions_reads_the_config_only(monkeypatch, cache, gguf_file):
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("loaded weights"))
+    assert models.model_max_positions(gguf_file) == 512
+
+
 # -- prompts -------------------------------------------------------------------------------------
 
 

@@ -15,10 +15,13 @@ blake2b (~0.9 GB/s), and a successful check is remembered per process on every f
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import shutil
 import struct
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -59,6 +62,25 @@ def fsync_path(path: Path, *, directory: bool = False) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (on this machine)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def discard_folder(folder: Path) -> None:
+    """Move an untrusted folder out of the way (atomically), then delete it."""
+    trash = Path(tempfile.mkdtemp(prefix=f".{folder.name}.discard-", dir=folder.parent))
+    with contextlib.suppress(OSError):
+        os.replace(folder, trash / folder.name)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def assemble_parts(parts: Sequence[Path], target: Path, expected_sha256: str) -> None:

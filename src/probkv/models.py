@@ -47,8 +47,10 @@ from probkv.model_files import (
     assemble_parts,
     check_gguf,
     check_gguf_header,
+    discard_folder,
     folder_problem,
     fsync_path,
+    pid_alive,
     write_manifest,
 )
 
@@ -251,7 +253,7 @@ def _cache_check(name_or_path: str | os.PathLike[str]) -> tuple[CacheState, Path
     key = cache_key(sha, gguf_name)
     problem = _cache_problem(cache_root() / key, key, sha)
     state, reason = problem if problem is not None else ("cached", "")
-    return state, cache_root() / key, reason  # type: ignore[return-value]
+    return state, cache_root() / key, reason
 
 
 def cache_state(name_or_path: str | os.PathLike[str]) -> CacheState:
@@ -308,16 +310,6 @@ def _lock(path: Path) -> Iterator[None]:
         handle.close()  # releases the flock
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 _STALE_AFTER_S = 24 * 3600
 
 
@@ -333,16 +325,8 @@ def _remove_stale_partials(root: Path, key: str) -> None:
             continue
         if pid == os.getpid():
             continue
-        if pid < 0 or not _pid_alive(pid) or age > _STALE_AFTER_S:
+        if pid < 0 or not pid_alive(pid) or age > _STALE_AFTER_S:
             shutil.rmtree(partial, ignore_errors=True)
-
-
-def _discard(folder: Path) -> None:
-    """Move an untrusted folder out of the way (atomically), then delete it."""
-    trash = Path(tempfile.mkdtemp(prefix=f".{folder.name}.discard-", dir=folder.parent))
-    with contextlib.suppress(OSError):
-        os.replace(folder, trash / folder.name)
-    shutil.rmtree(trash, ignore_errors=True)
 
 
 def _export_gguf(gguf: Path, out: Path) -> None:
@@ -379,7 +363,7 @@ def _write_manifest(folder: Path, key: str, sha: str, sources: Sequence[Path]) -
     write_manifest(folder, fields)
 
 
-def _cache_problem(folder: Path, key: str, sha: str) -> tuple[str, str] | None:
+def _cache_problem(folder: Path, key: str, sha: str) -> tuple[CacheState, str] | None:
     """``None`` if ``folder`` is a trusted conversion; else ``(state, reason)``: state
     ``"not converted"`` (no folder), ``"stale"`` or ``"corrupt"`` (see folder_problem)."""
     if not folder.exists():
@@ -414,7 +398,7 @@ def _convert_into_cache(parts: Sequence[Path], sha: str, gguf_name: str) -> Reso
                 f"discarding it and converting {gguf_name} again",
                 file=sys.stderr,
             )
-            _discard(final)
+            discard_folder(final)
         partial = Path(tempfile.mkdtemp(prefix=f".{key}.partial-{os.getpid()}-", dir=root))
         partial.chmod(0o755)  # mkdtemp makes it private; the cache is readable like any other
         try:
@@ -595,3 +579,12 @@ def max_positions(config: PretrainedConfig) -> int:
             f"max_position_embeddings is {value!r}, expected a positive integer"
         )
     return value
+
+
+def model_max_positions(name_or_path: str | os.PathLike[str] = DEFAULT_MODEL) -> int:
+    """:func:`max_positions` of a model from its config alone (no weights are loaded; a GGUF
+    is converted first if needed): for a process that holds only the tokenizer."""
+    from transformers import AutoConfig
+
+    folder = resolve_model(name_or_path).path
+    return max_positions(AutoConfig.from_pretrained(folder, local_files_only=True))
