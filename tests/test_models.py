@@ -13,12 +13,13 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
 from pathlib import Path
 
 import pytest
 import torch
 
-from probkv import models
+from probkv import model_files, models
 from probkv.models import (
     CACHE_ENV,
     DEFAULT_MODEL,
@@ -435,6 +436,201 @@ def test_concurrent_converters_agree(cache, gguf_file):
     assert sorted(origin for origin, _ in outputs) == ["cache", "converted"]
     assert outputs[0][1] == outputs[1][1]
     assert _partials(cache) == [] and [str(p) for p in _folders(cache)] == [outputs[0][1]]
+
+
+# -- content digests: a damaged conversion is rebuilt, never loaded (issue 11) -------------------
+
+
+def _overwrite_in_place(path: Path, offset: int, data: bytes) -> None:
+    """Replace bytes inside ``path`` without changing its size (what a bad disk or an editor
+    does); the size-only check of old probkv versions could not see it."""
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        old = f.read(len(data))
+        assert old != data
+        f.seek(offset)
+        f.write(data)
+    assert path.stat().st_size == size
+
+
+def _tiny_logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([[1, 40, 41, 42]])).logits
+
+
+def test_overwritten_weights_are_detected_and_rebuilt(cache, gguf_file, capsys):
+    good = resolve_model(gguf_file).path
+    weights = good / "model.safetensors"
+    _overwrite_in_place(weights, weights.stat().st_size // 2, b"\x7f" * 4096)
+    assert models.cache_state(gguf_file) == "corrupt"
+    assert models.cached_path(gguf_file) is None
+    capsys.readouterr()
+    again = resolve_model(gguf_file)
+    err = capsys.readouterr().err
+    assert again == models.ResolvedModel(good, "converted")
+    assert f"the cached conversion {good} is corrupt" in err
+    assert "model.safetensors does not match its recorded sha256" in err
+    assert "converting tiny.gguf again" in err
+    assert models.cache_state(gguf_file) == "cached"
+    model, _ = load_model(gguf_file)
+    assert torch.equal(_tiny_logits(model), _tiny_logits(tiny_model("llama", seed=0)))
+
+
+def test_edited_config_of_same_size_is_detected_and_rebuilt(cache, gguf_file, capsys):
+    good = resolve_model(gguf_file).path
+    config = good / "config.json"
+    text = config.read_text()
+    assert '"num_hidden_layers": 2' in text
+    edited = text.replace('"num_hidden_layers": 2', '"num_hidden_layers": 1')
+    assert len(edited) == len(text)
+    config.write_text(edited)
+    capsys.readouterr()
+    model, _ = load_model(gguf_file)
+    assert "config.json does not match its recorded sha256" in capsys.readouterr().err
+    assert model.config.num_hidden_layers == 2
+    assert json.loads(config.read_text())["num_hidden_layers"] == 2
+
+
+@pytest.mark.parametrize("damage", ["extra file", "missing file", "manifest digest edited"])
+def test_files_differing_from_the_manifest_are_corrupt(damage, cache, gguf_file, capsys):
+    good = resolve_model(gguf_file).path
+    if damage == "extra file":
+        (good / "adapter_config.json").write_text("{}")
+    elif damage == "missing file":
+        (good / "generation_config.json").unlink()
+    else:
+        manifest = json.loads((good / MANIFEST_NAME).read_text())
+        manifest["sha256"]["config.json"] = "0" * 64
+        (good / MANIFEST_NAME).write_text(json.dumps(manifest))
+    assert models.cache_state(gguf_file) == "corrupt"
+    again = resolve_model(gguf_file)
+    assert again.origin == "converted" and "is corrupt" in capsys.readouterr().err
+    assert models.cache_state(gguf_file) == "cached"
+
+
+def test_manifest_of_an_older_probkv_is_stale_and_rebuilt_once(monkeypatch, cache, gguf_file):
+    good = resolve_model(gguf_file).path
+    manifest = json.loads((good / MANIFEST_NAME).read_text())
+    del manifest["sha256"]  # what probkv wrote before content digests
+    (good / MANIFEST_NAME).write_text(json.dumps(manifest))
+    assert models.cache_state(gguf_file) == "stale"
+    assert resolve_model(gguf_file).origin == "converted"
+    monkeypatch.setattr(models, "_export_gguf", lambda *a: pytest.fail("converted twice"))
+    assert resolve_model(gguf_file).origin == "cache"
+
+
+def test_verification_is_remembered_until_a_file_changes(monkeypatch, cache, gguf_file):
+    """Loading twice in one process hashes once; a write to a file invalidates that."""
+    good = resolve_model(gguf_file).path
+    hashed = []
+    real = model_files.sha256_of_file
+    monkeypatch.setattr(model_files, "sha256_of_file", lambda p: hashed.append(p) or real(p))
+    model_files._VERIFIED.clear()
+    assert models.cache_state(gguf_file) == "cached"
+    first = len(hashed)
+    assert first == len(json.loads((good / MANIFEST_NAME).read_text())["sha256"])
+    assert models.cache_state(gguf_file) == "cached" and len(hashed) == first
+    _overwrite_in_place(good / "tokenizer.json", 10, b"~~~~")
+    assert models.cache_state(gguf_file) == "corrupt" and len(hashed) > first
+
+
+def test_registry_status_reports_corrupt(tmp_path, monkeypatch, cache, gguf_file):
+    site = tmp_path / "site"
+    _fake_package(site, "fake_status", {"tiny.gguf": gguf_file.read_bytes()})
+    monkeypatch.syspath_prepend(str(site))
+    spec = ModelSpec(
+        "status",
+        "",
+        "pip install fake-status==1",
+        (("fake_status", "tiny.gguf"),),
+        "tiny.gguf",
+        sha256_of_parts([gguf_file]),
+    )
+    monkeypatch.setitem(REGISTRY, "status", spec)
+    assert model_status("status").state == "not converted"
+    folder = resolve_model("status").path
+    assert model_status("status").state == "cached" and model_status("status").cached == folder
+    _overwrite_in_place(folder / "model.safetensors", 5000, b"\x00\x01\x02\x03")
+    status = model_status("status")
+    assert (status.state, status.cached, status.installed) == ("corrupt", None, True)
+    assert "model.safetensors" in status.problem
+    # The package loses its file: a clear error naming it and the reinstall command.
+    (site / "fake_status" / "tiny.gguf").unlink()
+    with pytest.raises(ModelNotInstalledError) as info:
+        load_model("status")
+    message = str(info.value)
+    assert str(site / "fake_status" / "tiny.gguf") in message and "is missing" in message
+    assert "pip install --force-reinstall fake-status==1" in message
+    assert model_status("status").state == "not installed"
+
+
+def test_missing_gguf_file_is_named(tmp_path, cache):
+    gone = tmp_path / "gone.gguf"
+    with pytest.raises(ValueError, match=rf"model file '{gone}' does not exist"):
+        load_model(gone)
+    with pytest.raises(ValueError, match="does not exist"):
+        models.cache_state(str(tmp_path / "sub" / "weights"))
+
+
+@pytest.mark.parametrize("kind", ["random", "empty", "header only", "truncated"])
+def test_invalid_gguf_is_a_clear_error_and_leaves_nothing(kind, tmp_path, cache, gguf_file):
+    data = gguf_file.read_bytes()
+    bad = tmp_path / f"{kind.replace(' ', '_')}.gguf"
+    bad.write_bytes(
+        {
+            "random": bytes(range(256)) * 20,
+            "empty": b"",
+            "header only": data[:30],
+            "truncated": data[: len(data) // 2],
+        }[kind]
+    )
+    with pytest.raises(models.InvalidGGUFError) as info:
+        load_model(bad)
+    assert isinstance(info.value, ValueError)
+    assert f"'{bad}' is not a valid GGUF file" in str(info.value)
+    leftovers = list(cache.iterdir()) if cache.exists() else []
+    assert leftovers == [], f"left behind: {leftovers}"
+
+
+def test_lock_file_is_removed_after_a_conversion(cache, gguf_file):
+    resolve_model(gguf_file)
+    assert sorted(p.name.endswith(".lock") for p in cache.iterdir()) == [False]
+
+
+def test_lock_waiter_follows_a_replaced_lock_file(tmp_path):
+    """A process that waited on a lock file removed by its holder locks the current file."""
+    path = tmp_path / ".k.lock"
+    with models._lock(path):
+        assert path.exists()
+    assert not path.exists()
+    with models._lock(path), models._lock(tmp_path / ".other.lock"):
+        assert path.exists() and (tmp_path / ".other.lock").exists()
+
+
+# -- maximum positions ---------------------------------------------------------------------------
+
+
+def test_max_positions_of_text_and_gemma3_multimodal_configs():
+    from transformers import Gemma3Config
+
+    assert models.max_positions(tiny_model("llama").config) == 512
+    assert models.max_positions(tiny_model("gemma3").config) == 512
+    multimodal = Gemma3Config(text_config={"max_position_embeddings": 4096})
+    assert not hasattr(multimodal, "max_position_embeddings")
+    assert models.max_positions(multimodal) == 4096
+    # transformers' configs validate the field; a duck-typed config may hold anything.
+    for bad in (0, None, 2.5, True):
+        config = types.SimpleNamespace(max_position_embeddings=bad)
+        with pytest.raises(ValueError, match=rf"max_position_embeddings is {bad!r}"):
+            models.max_positions(config)
+    with pytest.raises(ValueError, match="max_position_embeddings is None"):
+        models.max_positions(types.SimpleNamespace())
+
+
+def test_model_max_positions_reads_the_config_only(monkeypatch, cache, gguf_file):
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("loaded weights"))
+    assert models.model_max_positions(gguf_file) == 512
 
 
 # -- prompts -------------------------------------------------------------------------------------

@@ -12,21 +12,25 @@ converted once to a float32 safetensors folder (model, config, tokenizer, chat t
 the cache key: it changes when the GGUF's bytes (sha256) or the transformers version change.
 
 Atomicity: a conversion writes into a private temporary folder beside the final one, fsyncs it,
-writes a manifest (file names and sizes) last, and renames the folder into place, so the final
-folder either does not exist or is complete. A folder without a valid manifest is never trusted:
-it is removed and converted again. Converters of the same key serialise on a lock file, and a
-converter that loses a rename race uses the winner's folder.
+writes a manifest (every file's size and sha256, and the source GGUF's sha256) last, and renames
+the folder into place, so the final folder either does not exist or is complete. Every load
+re-hashes the folder against its manifest (:mod:`probkv.model_files`): a folder that fails (an
+edited or damaged file, an unfinished conversion, a manifest of an older probkv without
+digests) is never trusted: it is removed and converted again, with a message on stderr.
+Converters of the same key serialise on a lock file (removed after use), and a converter that
+loses a rename race uses the winner's folder. A file that is not a GGUF is refused with
+:class:`~probkv.model_files.InvalidGGUFError` (a ValueError) before anything is written.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import logging
 import os
 import re
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -37,8 +41,21 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from probkv.model_files import MANIFEST_NAME as MANIFEST_NAME  # re-exported
+from probkv.model_files import InvalidGGUFError as InvalidGGUFError  # re-exported
+from probkv.model_files import (
+    assemble_parts,
+    check_gguf,
+    check_gguf_header,
+    discard_folder,
+    folder_problem,
+    fsync_path,
+    pid_alive,
+    write_manifest,
+)
+
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +63,6 @@ logger = logging.getLogger(__name__)
 CACHE_ENV = "PROBKV_CACHE_DIR"
 #: Bumped whenever the layout of a converted folder changes (it is part of the cache key).
 CACHE_FORMAT = 1
-#: Written last into every converted folder; a folder without a valid one is not trusted.
-MANIFEST_NAME = "probkv-cache.json"
 DEFAULT_MODEL = "smollm2-135m"
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
@@ -160,24 +175,36 @@ def gguf_parts(spec: ModelSpec) -> list[Path]:
         found = find_spec(module)
         locations = list(found.submodule_search_locations or []) if found is not None else []
         path = Path(locations[0]) / relative if locations else None
-        if path is None or not path.is_file():
-            where = f"{module} is not installed" if path is None else f"{path} is missing"
+        if path is None:
             raise ModelNotInstalledError(
-                f"model {spec.name!r} is not installed ({where}); install it with:\n"
-                f"    {spec.install_command}",
+                f"model {spec.name!r} is not installed ({module} is not installed); install "
+                f"it with:\n    {spec.install_command}",
                 spec.install_command,
+            )
+        if not path.is_file():  # the package is there but lost its file: pip must redo it
+            fix = _force_reinstall(spec)
+            raise ModelNotInstalledError(
+                f"model {spec.name!r} is not installed: its file {path} is missing; "
+                f"reinstall it with:\n    {fix}",
+                fix,
             )
         paths.append(path)
     return paths
 
 
-_SHA_MEMO: dict[tuple[tuple[str, int, int], ...], str] = {}
+def _force_reinstall(spec: ModelSpec) -> str:
+    return spec.install_command.replace("pip install", "pip install --force-reinstall", 1)
+
+
+_SHA_MEMO: dict[tuple[tuple[str, int, int, int], ...], str] = {}
 
 
 def sha256_of_parts(paths: Sequence[Path]) -> str:
-    """sha256 of the concatenated bytes of ``paths`` (memoised per process on path, size and
-    modification time, so a changed file is hashed again)."""
-    stats = tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in paths)
+    """sha256 of the concatenated bytes of ``paths`` (memoised per process on path, size,
+    modification and change time, so a changed file is hashed again)."""
+    stats = tuple(
+        (str(p), st.st_size, st.st_mtime_ns, st.st_ctime_ns) for p in paths for st in [p.stat()]
+    )
     if stats not in _SHA_MEMO:
         digest = hashlib.sha256()
         for p in paths:
@@ -192,7 +219,7 @@ def _registry_source(spec: ModelSpec) -> tuple[list[Path], str]:
     parts = gguf_parts(spec)
     sha = sha256_of_parts(parts)
     if sha != spec.sha256:
-        fix = spec.install_command.replace("pip install", "pip install --force-reinstall", 1)
+        fix = _force_reinstall(spec)
         raise ModelNotInstalledError(
             f"the installed files of model {spec.name!r} are damaged (sha256 {sha}, expected "
             f"{spec.sha256}); reinstall with:\n    {fix}",
@@ -205,21 +232,17 @@ def _registry_source(spec: ModelSpec) -> tuple[list[Path], str]:
 
 
 def _is_complete(folder: Path, key: str) -> bool:
-    """Whether ``folder`` is a finished conversion for ``key``: its manifest parses, names the
-    key, and every file it lists exists with the recorded size."""
-    try:
-        manifest = json.loads((folder / MANIFEST_NAME).read_text())
-        files = manifest["files"]
-        if manifest.get("key") != key or "config.json" not in files:
-            return False
-        return all((folder / name).stat().st_size == size for name, size in files.items())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return False
+    """Whether ``folder`` is a finished, intact conversion for ``key``: its manifest names the
+    key and every file matches its recorded size and sha256 (:func:`folder_problem`)."""
+    return folder_problem(folder, key) is None
 
 
-def cached_path(name_or_path: str | os.PathLike[str]) -> Path | None:
-    """The converted folder of a registry model or ``.gguf`` file if it is in the cache, else
-    ``None`` (also ``None`` for a Hugging Face folder, which needs no conversion)."""
+CacheState = Literal["not converted", "cached", "stale", "corrupt"]
+
+
+def _cache_check(name_or_path: str | os.PathLike[str]) -> tuple[CacheState, Path, str] | None:
+    """``(state, folder, reason)`` of a registry model's or ``.gguf`` file's conversion;
+    ``None`` for a Hugging Face folder (loaded in place)."""
     source = _classify(name_or_path)
     if isinstance(source, Path) and source.is_dir():
         return None
@@ -228,34 +251,63 @@ def cached_path(name_or_path: str | os.PathLike[str]) -> Path | None:
     else:
         sha, gguf_name = sha256_of_parts([source]), source.name
     key = cache_key(sha, gguf_name)
-    return cache_root() / key if _is_complete(cache_root() / key, key) else None
+    problem = _cache_problem(cache_root() / key, key, sha)
+    state, reason = problem if problem is not None else ("cached", "")
+    return state, cache_root() / key, reason
+
+
+def cache_state(name_or_path: str | os.PathLike[str]) -> CacheState:
+    """State of the cached conversion of a registry model or ``.gguf`` file, checked against
+    its manifest's digests: ``"cached"`` (intact), ``"not converted"``, ``"stale"`` (converted
+    by an older probkv, without digests) or ``"corrupt"`` (a file differs from its digest, or
+    the folder is unfinished); the next load converts again in the last two cases. Raises
+    :class:`ModelNotInstalledError` for a registry model that is not installed and ValueError
+    for a Hugging Face folder (loaded in place, never cached)."""
+    check = _cache_check(name_or_path)
+    if check is None:
+        raise ValueError(
+            f"{str(name_or_path)!r} is a Hugging Face model folder: it is loaded in place and "
+            "has no cache state"
+        )
+    return check[0]
+
+
+def cached_path(name_or_path: str | os.PathLike[str]) -> Path | None:
+    """The converted folder of a registry model or ``.gguf`` file if it is in the cache and
+    intact (every digest matches), else ``None`` (also ``None`` for a Hugging Face folder,
+    which needs no conversion)."""
+    check = _cache_check(name_or_path)
+    return check[1] if check is not None and check[0] == "cached" else None
 
 
 @contextlib.contextmanager
 def _lock(path: Path) -> Iterator[None]:
-    """An exclusive lock on ``path`` (POSIX ``flock``; released when the process dies). Where
+    """An exclusive lock on ``path`` (POSIX ``flock``; released when the process dies), whose
+    file is removed on release, so no empty lock files pile up in the cache. A waiter that
+    wakes on a file removed meanwhile locks the new one instead (the inode check). Where
     ``fcntl`` is missing the rename race below still keeps the cache consistent."""
     try:
         import fcntl
     except ImportError:  # pragma: no cover - Windows
         yield
         return
-    with open(path, "a+b") as handle:
+    while True:
+        handle = open(path, "a+b")  # noqa: SIM115 - held across the yield below
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
         try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
-
-
-def _pid_alive(pid: int) -> bool:
+            same = os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        handle.close()  # the file we waited on was removed: lock the current one
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            if os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino:
+                os.unlink(path)
+        handle.close()  # releases the flock
 
 
 _STALE_AFTER_S = 24 * 3600
@@ -273,46 +325,8 @@ def _remove_stale_partials(root: Path, key: str) -> None:
             continue
         if pid == os.getpid():
             continue
-        if pid < 0 or not _pid_alive(pid) or age > _STALE_AFTER_S:
+        if pid < 0 or not pid_alive(pid) or age > _STALE_AFTER_S:
             shutil.rmtree(partial, ignore_errors=True)
-
-
-def _discard(folder: Path) -> None:
-    """Move an untrusted folder out of the way (atomically), then delete it."""
-    trash = Path(tempfile.mkdtemp(prefix=f".{folder.name}.discard-", dir=folder.parent))
-    with contextlib.suppress(OSError):
-        os.replace(folder, trash / folder.name)
-    shutil.rmtree(trash, ignore_errors=True)
-
-
-def _fsync(path: Path, *, directory: bool = False) -> None:
-    flags = os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0)
-    try:
-        fd = os.open(path, flags)
-    except OSError:  # pragma: no cover - platforms that cannot open folders
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover
-        pass
-    finally:
-        os.close(fd)
-
-
-def _assemble(parts: Sequence[Path], target: Path, expected_sha256: str) -> None:
-    """Concatenate ``parts`` into ``target``, checking the digest on the way."""
-    digest = hashlib.sha256()
-    with open(target, "wb") as out:
-        for part in parts:
-            with open(part, "rb") as f:
-                while block := f.read(1 << 20):
-                    digest.update(block)
-                    out.write(block)
-    if digest.hexdigest() != expected_sha256:
-        raise RuntimeError(
-            f"assembled {target.name} has sha256 {digest.hexdigest()}, "
-            f"expected {expected_sha256}; the parts changed while being read"
-        )
 
 
 def _export_gguf(gguf: Path, out: Path) -> None:
@@ -337,41 +351,54 @@ def _export_gguf(gguf: Path, out: Path) -> None:
 
 
 def _write_manifest(folder: Path, key: str, sha: str, sources: Sequence[Path]) -> None:
-    """fsync every file of ``folder``, then write the manifest that marks it complete."""
-    files = {}
-    for path in sorted(folder.iterdir()):
-        if path.is_file():
-            _fsync(path)
-            files[path.name] = path.stat().st_size
-    manifest = {
+    """fsync and hash every file of ``folder``, then write the manifest that marks it
+    complete (:func:`probkv.model_files.write_manifest`)."""
+    fields = {
         "key": key,
         "format": CACHE_FORMAT,
         "source_sha256": sha,
         "sources": [str(p) for p in sources],
         "transformers": _transformers_version(),
-        "files": files,
     }
-    tmp = folder / (MANIFEST_NAME + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2))
-    _fsync(tmp)
-    os.replace(tmp, folder / MANIFEST_NAME)
-    _fsync(folder, directory=True)
+    write_manifest(folder, fields)
+
+
+def _cache_problem(folder: Path, key: str, sha: str) -> tuple[CacheState, str] | None:
+    """``None`` if ``folder`` is a trusted conversion; else ``(state, reason)``: state
+    ``"not converted"`` (no folder), ``"stale"`` or ``"corrupt"`` (see folder_problem)."""
+    if not folder.exists():
+        return "not converted", ""
+    return folder_problem(folder, key, sha)
 
 
 def _convert_into_cache(parts: Sequence[Path], sha: str, gguf_name: str) -> ResolvedModel:
     root = cache_root()
     key = cache_key(sha, gguf_name)
     final = root / key
-    if _is_complete(final, key):
+    if _cache_problem(final, key, sha) is None:
         return ResolvedModel(final, "cache")
-    root.mkdir(parents=True, exist_ok=True)
+    if len(parts) == 1:  # refuse a file that is not a GGUF before writing anything
+        check_gguf_header(parts[0])
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        (root / f".{key}.lock").touch()  # probes write access before any work starts
+    except OSError as err:
+        raise ValueError(
+            f"cannot write the model cache folder {root} ({type(err).__name__}: {err}); "
+            f"set {CACHE_ENV} to a writable folder"
+        ) from None
     with _lock(root / f".{key}.lock"):
-        if _is_complete(final, key):  # another process finished while we waited
+        problem = _cache_problem(final, key, sha)
+        if problem is None:  # another process finished while we waited
             return ResolvedModel(final, "cache")
         _remove_stale_partials(root, key)
-        if final.exists():  # never trusted: no valid manifest
-            logger.warning("discarding incomplete cache folder %s", final)
-            _discard(final)
+        if final.exists():  # never trusted: it failed verification
+            print(
+                f"probkv: the cached conversion {final} is {problem[0]}: {problem[1]}; "
+                f"discarding it and converting {gguf_name} again",
+                file=sys.stderr,
+            )
+            discard_folder(final)
         partial = Path(tempfile.mkdtemp(prefix=f".{key}.partial-{os.getpid()}-", dir=root))
         partial.chmod(0o755)  # mkdtemp makes it private; the cache is readable like any other
         try:
@@ -380,7 +407,7 @@ def _convert_into_cache(parts: Sequence[Path], sha: str, gguf_name: str) -> Reso
             else:
                 gguf = partial / ".assembled" / gguf_name
                 gguf.parent.mkdir()
-                _assemble(parts, gguf, sha)
+                assemble_parts(parts, gguf, sha)
             _export_gguf(gguf, partial)
             if len(parts) > 1:
                 shutil.rmtree(gguf.parent)
@@ -393,9 +420,11 @@ def _convert_into_cache(parts: Sequence[Path], sha: str, gguf_name: str) -> Reso
                 logger.info("another process converted %s first; using its copy", key)
                 shutil.rmtree(partial, ignore_errors=True)
                 return ResolvedModel(final, "cache")
-            _fsync(root, directory=True)
+            fsync_path(root, directory=True)
         except Exception as err:
             shutil.rmtree(partial, ignore_errors=True)
+            if len(parts) == 1 and not isinstance(err, OSError):
+                check_gguf(parts[0])  # a damaged GGUF: InvalidGGUFError naming the file
             raise RuntimeError(
                 f"converting {gguf_name} into the cache {final} failed ({type(err).__name__}: "
                 f"{err}); nothing was cached, run again to retry"
@@ -423,6 +452,11 @@ def _classify(name_or_path: str | os.PathLike[str]) -> ModelSpec | Path:
         raise ValueError(
             f"{str(name_or_path)!r} is neither a .gguf file nor a Hugging Face model folder "
             "(a folder with config.json)"
+        )
+    if path.suffix == ".gguf" or os.sep in str(name_or_path):
+        raise ValueError(
+            f"model file {str(name_or_path)!r} does not exist (models: a registry name "
+            f"({', '.join(model_names())}), a .gguf file or a Hugging Face model folder)"
         )
     raise ValueError(
         f"unknown model {str(name_or_path)!r}; known names: {', '.join(model_names())} "
@@ -500,23 +534,57 @@ def chat_prompt_ids(
 
 @dataclass(frozen=True)
 class ModelStatus:
-    """What ``probkv models`` reports about one registry model."""
+    """What ``probkv models`` reports about one registry model. ``cached`` is the converted
+    folder when it is intact; ``state`` is ``"not installed"`` or a :data:`CacheState`, and
+    ``problem`` says why a ``"stale"`` or ``"corrupt"`` conversion is not trusted."""
 
     name: str
     description: str
     installed: bool
     install_command: str
     cached: Path | None
+    state: Literal["not installed", "not converted", "cached", "stale", "corrupt"] = "not converted"
+    problem: str = ""
 
 
 def model_status(name: str) -> ModelStatus:
-    """Whether registry model ``name`` is installed and already converted in the cache."""
+    """Whether registry model ``name`` is installed and converted in the cache, with the
+    conversion's state checked against its digests (see :func:`cache_state`)."""
     if name not in REGISTRY:
         raise ValueError(f"unknown model {name!r}; known names: {', '.join(model_names())}")
     spec = REGISTRY[name]
     try:
-        cached = cached_path(name)
-        installed = True
-    except ModelNotInstalledError:
-        cached, installed = None, False
-    return ModelStatus(spec.name, spec.description, installed, spec.install_command, cached)
+        check = _cache_check(name)
+    except ModelNotInstalledError as err:
+        return ModelStatus(
+            spec.name, spec.description, False, err.install_command, None, "not installed"
+        )
+    assert check is not None  # a registry name is never a Hugging Face folder
+    state, folder, problem = check
+    cached = folder if state == "cached" else None
+    return ModelStatus(
+        spec.name, spec.description, True, spec.install_command, cached, state, problem
+    )
+
+
+def max_positions(config: PretrainedConfig) -> int:
+    """The most positions (prompt plus generated tokens) the model accepts: the text
+    config's ``max_position_embeddings`` (Gemma-3's multimodal config keeps it in
+    ``text_config``). Raises ValueError when the config gives no positive integer."""
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    value = getattr(text_config, "max_position_embeddings", None)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"the model config ({type(config).__name__}) gives no maximum number of positions: "
+            f"max_position_embeddings is {value!r}, expected a positive integer"
+        )
+    return value
+
+
+def model_max_positions(name_or_path: str | os.PathLike[str] = DEFAULT_MODEL) -> int:
+    """:func:`max_positions` of a model from its config alone (no weights are loaded; a GGUF
+    is converted first if needed): for a process that holds only the tokenizer."""
+    from transformers import AutoConfig
+
+    folder = resolve_model(name_or_path).path
+    return max_positions(AutoConfig.from_pretrained(folder, local_files_only=True))

@@ -158,3 +158,56 @@ def test_empty_or_missing_file(tmp_path):
     assert message == f"{path}: no examples (the file is empty)"
     with pytest.raises(ValueError, match="does not exist"):
         load_examples(tmp_path / "nope.jsonl")
+
+
+# -- encodings and limits (issue 11) -------------------------------------------------------------
+
+
+def test_non_utf8_file_names_file_line_and_byte(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    good = json.dumps(GOOD).encode()
+    bad = json.dumps({**GOOD, "id": "b", "context": "caf\u00e9"}, ensure_ascii=False).encode(
+        "latin-1"
+    )
+    path.write_bytes(b"\xef\xbb\xbf" + good + b"\n\n" + bad + b"\n")
+    with pytest.raises(ValueError) as err:
+        load_examples(path)
+    column = bad.index(b"\xe9") + 1
+    assert str(err.value) == (
+        f"{path}:3: not valid UTF-8 (byte 0xe9 at byte {column} of the line); "
+        "data files must be UTF-8 text"
+    )
+
+
+def test_binary_file_is_refused_on_its_first_line(tmp_path):
+    path = tmp_path / "data.jsonl.gz"
+    path.write_bytes(b"\x1f\x8b\x08\x00" + bytes(range(256)))
+    with pytest.raises(ValueError, match=rf"^{path}:1: not valid UTF-8 \(byte 0x8b at byte 2"):
+        load_examples(path)
+
+
+def test_huge_max_new_tokens_names_example_value_and_bound(tmp_path):
+    path, message = _message(tmp_path, [GOOD, {**GOOD, "id": "big", "max_new_tokens": 10**9}])
+    assert message == (
+        f"{path}:2: example 'big': field 'max_new_tokens' must be <= 4096 (the bound on an "
+        "example's generation budget), got 1000000000"
+    )
+    assert load_examples(_write(tmp_path, [{**GOOD, "max_new_tokens": 4096}]))[0].max_new_tokens
+
+
+def test_line_over_the_size_limit_is_refused_before_parsing(tmp_path):
+    """A line of 16 MiB + 1 byte is refused from a bounded read (never parsed or read whole);
+    one of exactly 16 MiB is accepted."""
+    limit = 16 * 2**20
+    record = {**GOOD, "context": ""}
+    pad = limit - len(json.dumps(record))
+    at_limit = {**record, "context": "x" * pad}
+    over = {**record, "id": "over", "context": "x" * (pad + 1)}
+    path = _write(tmp_path, [at_limit])
+    assert len(path.read_bytes()) == limit + 1  # the line and its newline
+    assert len(load_examples(path)[0].context) == pad
+    path, message = _message(tmp_path, [at_limit, over])
+    assert message == (
+        f"{path}:2: line longer than the limit of {limit} bytes (16 MiB); split the example "
+        "or shorten its context"
+    )

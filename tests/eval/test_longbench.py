@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from probkv.eval import longbench
 from probkv.eval.data import load_examples
 from probkv.eval.examples import score_example
 from probkv.eval.longbench import (
@@ -164,3 +165,21 @@ def test_template_file_errors(tmp_path):
         load_templates(path)
     with pytest.raises(ValueError, match="does not exist"):
         load_templates(tmp_path / "missing.json")
+
+
+def test_template_file_encoding_and_size_errors(tmp_path, monkeypatch):
+    path = tmp_path / "t.json"
+    path.write_bytes(b'{"qasper": {\n  "context": "caf\xe9 {context}",\n  "question": ""}}')
+    with pytest.raises(ValueError) as err:
+        load_templates(path)
+    assert str(err.value) == (
+        f"{path}:2: not valid UTF-8 (byte 0xe9 at byte 18 of the line); "
+        "data files must be UTF-8 text"
+    )
+    path.write_bytes(
+        b"\xef\xbb\xbf" + json.dumps({"qasper": {"context": "{context}", "question": ""}}).encode()
+    )
+    assert load_templates(path) == {"qasper": ("{context}", "")}
+    monkeypatch.setattr(longbench, "MAX_LINE_BYTES", 16)
+    with pytest.raises(ValueError, match=rf"^{path}: template file larger than the limit of 16"):
+        load_templates(path)

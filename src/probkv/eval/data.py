@@ -4,8 +4,9 @@
 or LongBench's (see :mod:`probkv.eval.longbench`), detected from the first record or chosen
 with ``format=``. Nothing is loaded from a malformed file: the first bad line raises a
 ValueError of the form ``"<file>:<line>: field 'answers' must be a non-empty list of
-strings, got []"`` (invalid JSON, a missing field, a wrong type, empty answers, a
-non-positive ``max_new_tokens``, an unknown metric, a duplicate id).
+strings, got []"`` (invalid UTF-8 or JSON, a line over 16 MiB, a missing field, a wrong
+type, empty answers, a ``max_new_tokens`` outside 1..4096, an unknown metric, a duplicate
+id). Line numbers are 1-based.
 
 Defaults in probkv's format, by task name: ``metric`` is the generated task's scorer
 (``probkv.eval.tasks``), else the LongBench dataset's metric (whose first-line and

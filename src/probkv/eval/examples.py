@@ -15,6 +15,12 @@ JSONL form (probkv's own format, one example per line)::
 ``metric`` and everything after it are optional; :func:`probkv.eval.data.load_examples` fills
 defaults per task. The model sees ``context + question`` verbatim: a question should start
 with its own separator (e.g. a blank line), as the generated tasks and LongBench templates do.
+
+Limits checked before any work: a data line holds at most :data:`MAX_LINE_BYTES` (checked
+before it is parsed, so a huge line is never read whole), ``max_new_tokens`` is at most
+:data:`MAX_NEW_TOKENS`, and :func:`check_context_fits` / :func:`fit_context` hold a prompt
+plus its generation budget to the model's positions (optionally cutting the middle of the
+context, as LongBench's evaluation does).
 """
 
 from __future__ import annotations
@@ -27,6 +33,11 @@ from pathlib import Path
 from typing import Any
 
 from probkv.eval.scorers import check_metric, score
+
+#: Largest line of a data file, in bytes (16 MiB: ~4M tokens of text, far beyond any model).
+MAX_LINE_BYTES = 16 * 2**20
+#: Largest generation budget of an example (LongBench's largest is 512).
+MAX_NEW_TOKENS = 4096
 
 # Field order of the JSONL form.
 REQUIRED_FIELDS = ("id", "task", "context", "question", "answers", "max_new_tokens")
@@ -114,6 +125,11 @@ class Example:
             raise field_error("max_new_tokens", "must be an integer", mnt)
         if mnt < 1:
             raise field_error("max_new_tokens", "must be >= 1", mnt)
+        if mnt > MAX_NEW_TOKENS:
+            raise ValueError(
+                f"example {self.id!r}: field 'max_new_tokens' must be <= {MAX_NEW_TOKENS} "
+                f"(the bound on an example's generation budget), got {mnt}"
+            )
         try:
             check_metric(self.metric)
         except ValueError as err:
@@ -184,15 +200,48 @@ def write_examples(path: str | os.PathLike[str], examples: Iterable[Example]) ->
     return len(lines)
 
 
-def iter_jsonl(path: str | os.PathLike[str]) -> Iterator[tuple[int, dict[str, Any]]]:
-    """Yield ``(line_number, object)`` for each non-blank line of a JSONL file (1-based line
-    numbers). Invalid JSON or a line that is not a JSON object raises a ValueError naming the
-    file and the line."""
+def utf8_error(path: Path, data: bytes, err: UnicodeDecodeError, first_line: int) -> ValueError:
+    """A ValueError naming the file, the 1-based line and byte of a UTF-8 decoding error in
+    ``data`` (which starts on line ``first_line`` of ``path``)."""
+    line = first_line + data.count(b"\n", 0, err.start)
+    column = err.start - (data.rfind(b"\n", 0, err.start) + 1) + 1
+    return ValueError(
+        f"{path}:{line}: not valid UTF-8 (byte 0x{data[err.start]:02x} at byte {column} of the "
+        "line); data files must be UTF-8 text"
+    )
+
+
+def iter_jsonl(
+    path: str | os.PathLike[str], *, max_line_bytes: int = MAX_LINE_BYTES
+) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Yield ``(line_number, object)`` for each non-blank line of a UTF-8 JSONL file (1-based
+    line numbers; a byte-order mark is tolerated). Invalid UTF-8 or JSON, a line that is not a
+    JSON object, or a line longer than ``max_line_bytes`` (checked before the line is read
+    whole) raises a ValueError naming the file and the line."""
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"data file {str(p)!r} does not exist or is not a file")
-    with p.open(encoding="utf-8-sig") as f:  # tolerate a byte-order mark
-        for lineno, line in enumerate(f, start=1):
+    try:
+        f = p.open("rb")
+    except OSError as err:
+        raise ValueError(f"cannot read data file {str(p)!r}: {err.strerror}") from None
+    with f:
+        lineno = 0
+        # Reading at most max_line_bytes + 2 bytes (room for "\r\n") bounds the memory.
+        while raw := f.readline(max_line_bytes + 2):
+            lineno += 1
+            if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                raw = raw[3:]
+            content = raw.rstrip(b"\r\n")
+            if len(content) > max_line_bytes:
+                raise ValueError(
+                    f"{p}:{lineno}: line longer than the limit of {max_line_bytes} bytes "
+                    f"({max_line_bytes / 2**20:g} MiB); split the example or shorten its context"
+                )
+            try:
+                line = content.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise utf8_error(p, content, err, lineno) from None
             if not line.strip():
                 continue
             try:
@@ -213,3 +262,77 @@ def iter_jsonl(path: str | os.PathLike[str]) -> Iterator[tuple[int, dict[str, An
 def _reject_constant(name: str) -> float:
     # NaN / Infinity are not JSON; Python's json accepts them by default.
     raise ValueError(f"{name} is not valid JSON")
+
+
+# -- context limits -----------------------------------------------------------------------------
+
+
+class ContextTooLongError(ValueError):
+    """An example whose prompt plus generation budget exceeds the model's positions."""
+
+    def __init__(self, example_id: str, prompt_tokens: int, max_new_tokens: int, limit: int):
+        super().__init__(
+            f"example {example_id!r} does not fit the model: its prompt has {prompt_tokens} "
+            f"tokens and it may generate {max_new_tokens} more ({prompt_tokens + max_new_tokens}"
+            f" positions), but the model's limit is {limit} positions "
+            "(max_position_embeddings); shorten the example or truncate the middle of its context"
+        )
+        self.example_id = example_id
+        self.prompt_tokens = prompt_tokens
+        self.max_new_tokens = max_new_tokens
+        self.limit = limit
+
+
+def _check_count(value: Any, name: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def check_context_fits(
+    prompt_tokens: int, max_new_tokens: int, max_positions: int, *, example_id: str
+) -> None:
+    """Raise :class:`ContextTooLongError` (a ValueError naming the example, its length and the
+    limit) unless ``prompt_tokens + max_new_tokens <= max_positions``."""
+    _check_count(prompt_tokens, "prompt_tokens", 0)
+    _check_count(max_new_tokens, "max_new_tokens", 0)
+    _check_count(max_positions, "max_positions", 1)
+    if prompt_tokens + max_new_tokens > max_positions:
+        raise ContextTooLongError(example_id, prompt_tokens, max_new_tokens, max_positions)
+
+
+def truncate_middle(ids: Sequence[int], max_len: int) -> list[int]:
+    """The first ``max_len // 2`` and the last ``max_len - max_len // 2`` ids of ``ids`` (all
+    of them when there are at most ``max_len``): the middle of a long context is dropped and
+    its instructions at both ends are kept, as LongBench's evaluation truncates prompts."""
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+        raise ValueError(
+            f"ids must be a list of token ids, got {type(ids).__name__} (use .tolist() on a tensor)"
+        )
+    _check_count(max_len, "max_len", 1)
+    if len(ids) <= max_len:
+        return list(ids)
+    head = max_len // 2
+    return [*ids[:head], *ids[len(ids) - (max_len - head) :]]
+
+
+def fit_context(
+    context_ids: Sequence[int],
+    question_ids: Sequence[int],
+    max_new_tokens: int,
+    max_positions: int,
+    *,
+    example_id: str,
+    truncate: bool = False,
+) -> list[int]:
+    """The context ids of a prompt that fits the model: unchanged when context + question +
+    ``max_new_tokens`` fit in ``max_positions``; else, with ``truncate``, the context cut in
+    the middle (:func:`truncate_middle`) to the room the question and the generation budget
+    leave; else (or when even that room is empty) :class:`ContextTooLongError`."""
+    total = len(context_ids) + len(question_ids)
+    if truncate and total + max_new_tokens > max_positions:
+        room = max_positions - len(question_ids) - max_new_tokens
+        if room >= 1:
+            return truncate_middle(context_ids, room)
+    check_context_fits(total, max_new_tokens, max_positions, example_id=example_id)
+    return list(context_ids)

@@ -41,7 +41,14 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from probkv.eval.examples import Example, check_str_field, check_str_list_field, field_error
+from probkv.eval.examples import (
+    MAX_LINE_BYTES,
+    Example,
+    check_str_field,
+    check_str_list_field,
+    field_error,
+    utf8_error,
+)
 
 CONTEXT_FIELD = "{context}"
 INPUT_FIELD = "{input}"
@@ -269,9 +276,24 @@ def load_templates(path: str | os.PathLike[str]) -> dict[str, tuple[str, str]]:
     naming the file and the dataset."""
     p = Path(path)
     try:
-        raw = json.loads(p.read_text(encoding="utf-8"))
+        with p.open("rb") as f:
+            data = f.read(MAX_LINE_BYTES + 1)  # bounded: a template file is small
     except FileNotFoundError:
         raise ValueError(f"template file {str(p)!r} does not exist") from None
+    except OSError as err:
+        raise ValueError(f"cannot read template file {str(p)!r}: {err.strerror}") from None
+    if len(data) > MAX_LINE_BYTES:
+        raise ValueError(
+            f"{p}: template file larger than the limit of {MAX_LINE_BYTES} bytes "
+            f"({MAX_LINE_BYTES / 2**20:g} MiB)"
+        )
+    data = data.removeprefix(b"\xef\xbb\xbf")  # tolerate a byte-order mark
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise utf8_error(p, data, err, 1) from None
+    try:
+        raw = json.loads(text)
     except json.JSONDecodeError as err:
         raise ValueError(f"{p}: invalid JSON at line {err.lineno} ({err.msg})") from None
     if not isinstance(raw, dict):
