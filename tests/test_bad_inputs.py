@@ -185,11 +185,6 @@ def test_cli_models_with_corrupted_cache_never_says_cached(fake_site, cache, ggu
     assert models.folder_problem(folder, folder.name)[0] == "corrupt"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs the `probkv models` wiring of issue 11 in cli.py (print ModelStatus.state); "
-    "remove this mark once cli._run_models prints 'corrupt'",
-)
 def test_cli_models_reports_corrupt(fake_site, cache, gguf):
     convert = "models.resolve_model('fake')"
     assert _fake_registry_run(fake_site, cache, gguf, ["models"], convert).returncode == 0

@@ -154,10 +154,15 @@ def _run_models(args: argparse.Namespace) -> int:
         print(f"{name}{default}: {status.description}")
         if not status.installed:
             print(f"    not installed; install with: {status.install_command}")
-        elif status.cached is None:
-            print("    installed; not converted yet (first load converts it, ~20-60 s)")
-        else:
+        elif status.state == "cached":
             print(f"    installed; cached at {status.cached}")
+        elif status.state in ("corrupt", "stale"):
+            print(
+                f"    installed; cached copy is {status.state} ({status.problem}); "
+                "the next load converts it again"
+            )
+        else:
+            print("    installed; not converted yet (first load converts it, ~20-60 s)")
     return 0
 
 
