@@ -97,7 +97,7 @@ class ProbabilisticPolicy(EvictionPolicy):
 
     @property
     def layerwise(self) -> bool:
-        return self.scope == "head" or self.ratio == 0.0
+        return super().layerwise and (self.scope == "head" or self.ratio == 0.0)
 
     @property
     def corrected(self) -> bool:
