@@ -6,21 +6,20 @@ full support on the entries that are not forced, for the take-all stratum of for
 is. The selections' log-weights are checked against the estimator formulas, and the
 statistical claims (expected kept count, unbiased corrected totals) with fixed seeds and
 tolerances derived from the known variances. Observations come from the integration's own
-prefill path (``probkv.hf.attention.observe_prefill``).
+prefill path (``probkv.observation.observe_layer``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from probkv import sample_size, sampling
-from probkv.hf.attention import observe_prefill
+from probkv.observation import observe_layer
 from probkv.policies import ProbabilisticPolicy, parse_method
 from probkv.proposals import FLOOR
 from probkv.scores import SCORE_NAMES
@@ -41,9 +40,17 @@ def random_layer(t: int, hkv: int, g: int, seed: int, d: int = 8):
 
 
 def observe(policy, q, k, v, layer_idx: int = 0):
-    layer = SimpleNamespace(policy=policy, layer_idx=layer_idx, rank=layer_idx, observation=None)
-    observe_prefill(layer, q, k, v, SCALE)
-    return layer.observation
+    _, observation = observe_layer(
+        q,
+        k,
+        v,
+        scale=SCALE,
+        score=policy.score,
+        score_params=policy.score_params,
+        layer_idx=layer_idx,
+        rank=layer_idx,
+    )
+    return observation
 
 
 def dense_probabilities(q, k):

@@ -23,6 +23,7 @@ import torch
 
 from probkv import scores
 from probkv._checks import check_choice, check_ratio
+from probkv.observation import LayerObservation
 from probkv.selection import RaggedSelection
 
 # The score parameters a policy uses unless told otherwise: the score table's defaults (S6 SnapKV
@@ -31,25 +32,6 @@ from probkv.selection import RaggedSelection
 DEFAULT_SCORE_PARAMS: dict[str, dict[str, object]] = {
     name: defaults for name in scores.SCORE_NAMES if (defaults := scores.default_params(name))
 }
-
-
-@dataclass(frozen=True)
-class LayerObservation:
-    """What the prefill of one evicting layer showed the policy."""
-
-    layer_idx: int  # index in the model
-    rank: int  # position among the evicting layers (0 = lowest), for layer budgets (PyramidKV)
-    log_scores: torch.Tensor  # [Hkv, t] float32 (probkv.scores)
-    forced: torch.Tensor | None  # [Hkv, t] bool: always kept, counted in the budget (SnapKV window)
-    last_query_attention: torch.Tensor  # [Hkv, t] group-averaged p_t, for diagnostics (S6)
-
-    @property
-    def num_heads(self) -> int:
-        return self.log_scores.shape[0]
-
-    @property
-    def length(self) -> int:
-        return self.log_scores.shape[1]
 
 
 @dataclass(frozen=True)
@@ -78,6 +60,19 @@ class EvictionPolicy(ABC):
         self, observations: Sequence[LayerObservation], *, num_layers: int
     ) -> list[RaggedSelection]:
         """One selection per observation. ``num_layers`` is the number of evicting layers."""
+
+
+def select_layers(
+    policy: EvictionPolicy, observations: Sequence[LayerObservation], *, num_layers: int
+) -> list[RaggedSelection]:
+    """What ``policy`` keeps of these observed layers: the one entry point every eviction
+    goes through (the integration at prefill and in ``ProbKVCache.evict``, the attention-error
+    experiment). A ``layerwise`` policy selects one layer at a time, as during prefill (same
+    random draws whether the layers come one by one or together); any other sees them all at
+    once (S3 global scope). ``num_layers``: the number of evicting layers of the model."""
+    if policy.layerwise:
+        return [policy.select([obs], num_layers=num_layers)[0] for obs in observations]
+    return policy.select(list(observations), num_layers=num_layers)
 
 
 def keep_everything(obs: LayerObservation) -> RaggedSelection:
