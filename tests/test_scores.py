@@ -444,7 +444,7 @@ def value_norm(value: torch.Tensor) -> Scores:
 
 def test_adding_a_score_is_one_function_and_one_row(monkeypatch):
     """A new row is dispatched, validated and named everywhere from the table alone."""
-    from probkv.policies import DEFAULT_SCORE_PARAMS, TopKPolicy
+    from probkv.policies import DEFAULT_SCORE_PARAMS, TopKPolicy, method_name, parse_method
 
     def vnorm(value: torch.Tensor, *, power: int = 1) -> Scores:
         return Scores(power * value_norm(value).log_scores)
@@ -459,6 +459,8 @@ def test_adding_a_score_is_one_function_and_one_row(monkeypatch):
         compute_scores("vnorm", q, k, v, scale=0.3, power=0)
     policy = TopKPolicy(score="vnorm", ratio=0.5)
     assert policy.score_params == {"power": 2} and policy.layerwise
+    assert method_name(policy) == "topk:vnorm"
+    assert parse_method("prob:vnorm/power=3").score_params == {"power": 3}
     assert "vnorm" not in DEFAULT_SCORE_PARAMS  # a snapshot, taken when policies are imported
 
 

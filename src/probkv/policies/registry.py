@@ -70,7 +70,7 @@ def method_names() -> list[str]:
     """Every base name: the named methods, then ``topk:<score>`` and ``prob:<score>`` for
     every score of ``probkv.scores.SCORE_TABLE``."""
     names = list(NAMED_METHODS)
-    names += [f"topk:{s}" for s in scores.SCORE_NAMES] + [f"prob:{s}" for s in scores.SCORE_NAMES]
+    names += [f"topk:{s}" for s in scores.SCORE_TABLE] + [f"prob:{s}" for s in scores.SCORE_TABLE]
     return names
 
 
@@ -108,7 +108,7 @@ def _parse_value(text: str):
 
 
 def _base(name: str) -> tuple[type[EvictionPolicy], dict]:
-    names = scores.SCORE_NAMES
+    names = tuple(scores.SCORE_TABLE)
     if name in NAMED_METHODS:
         cls, fixed = NAMED_METHODS[name]
         return cls, dict(fixed)
