@@ -7,9 +7,9 @@ Hq = 9 query heads, Hkv = 3 KV heads, head dim 64), on random float32 tensors, i
       chunks (``probkv.scores``, via ``probkv.attention.causal_attention_with_column_sums``), times
       the value norms, GQA mixture, floor, then ``proposal_from_log_scores``;
   (b) one number of samples ``m`` for all heads of all layers
-      (``probkv.sampling.samples_for_ratio(..., scope="global")``, S3);
+      (``probkv.sample_size.samples_for_ratio_global``, S3);
   (c) per layer: the counts (``sample_counts``), the kept set, the importance log-weights
-      (``estimator.log_weights``, S4/S9) and the flattened ``RaggedSelection`` the cache stores.
+      (``estimator.counts_log_weights`` / ``inclusion_log_weights``, S4/S9) and the flattened ``RaggedSelection`` the cache stores.
 
 (a) is timed once per layer on 30 different layers and summed; every other figure is the best of
 ``--reps`` calls. Two costs of (a) are reported. Stand-alone: the proposal computed on its own
@@ -71,7 +71,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from probkv import estimator, sampling, scores
+from probkv import estimator, sample_size, sampling, scores
 from probkv.attention import attention_rows, causal_attention_with_column_sums, harmonic_row_weights
 from probkv.policies import ProbabilisticPolicy
 from probkv.policies.base import LayerObservation
@@ -147,7 +147,7 @@ def min_h_dense(q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
 
 def global_m(pis: list[torch.Tensor], ratio: float) -> int:
     """(b): one m for every head of every layer (S3, Appendix F.1)."""
-    return sampling.samples_for_ratio(pis, ratio, scope="global")
+    return sample_size.samples_for_ratio_global(pis, ratio)
 
 
 def sample_and_weigh(
@@ -159,7 +159,10 @@ def sample_and_weigh(
     for pi in pis:
         counts = sampling.sample_counts(pi, m, gen)
         kept = counts > 0
-        lw = estimator.log_weights(pi, kept, weights=weights, counts=counts, num_samples=m)
+        if weights == "counts":
+            lw = estimator.counts_log_weights(pi, kept, counts, num_samples=m)
+        else:
+            lw = estimator.inclusion_log_weights(pi, kept, m, counts=counts)
         out.append(RaggedSelection.from_masks(kept, lw))
     return out
 
@@ -400,7 +403,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="calls per timing (best kept)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (set explicitly)")
     ap.add_argument("--ratio", type=float, default=0.5, help="compression ratio r (S1)")
-    ap.add_argument("--weights", default="inclusion", help="log-weights of (c): counts|inclusion")
+    ap.add_argument(
+        "--weights", default="inclusion", choices=("counts", "inclusion"), help="log-weights of (c)"
+    )
     ap.add_argument("--chunk", type=int, default=64, help="rows per chunk of (a)")
     ap.add_argument("--strength", type=float, default=8.0, help="outlier strength s")
     ap.add_argument("--outlier-frac", type=float, default=0.02)

@@ -19,16 +19,14 @@ from probkv.estimator import (
     compose_log_weights,
     corrected_attention,
     corrected_attention_reference,
+    counts_log_weights,
     eviction_time_estimate,
+    inclusion_log_weights,
     kish_effective_sample_size,
-    log_weights,
+    pps_log_weights,
 )
-from probkv.sampling import (
-    pps_inclusion_probabilities,
-    sample_counts,
-    samples_for_ratio,
-    systematic_sample,
-)
+from probkv.sample_size import samples_for_ratio
+from probkv.sampling import pps_inclusion_probabilities, sample_counts, systematic_sample
 
 torch.set_num_threads(1)
 Z_CRIT = 4.5
@@ -64,13 +62,13 @@ def test_counts_log_weights_match_eq10():
     for h, i in kept.nonzero().tolist():
         expected[h, i] = math.log(counts[h, i] / (int(m[h]) * p64[h, i].item()))
     for tau in (1.0, 2.0, 0.3):
-        got = log_weights(pi, kept, weights="counts", counts=counts, tau=tau)
+        got = counts_log_weights(pi, kept, counts, tau=tau)
         assert got.dtype == torch.float32
         assert torch.allclose(got.double(), expected / tau, rtol=1e-6, atol=1e-6)
         assert (got[~kept] == 0).all()
-    same = log_weights(pi, kept=kept, weights="counts", counts=counts, num_samples=m)
-    assert torch.equal(same, log_weights(pi, kept, counts=counts))
-    none = log_weights(pi, kept, weights="counts", counts=counts, tau=math.inf)
+    same = counts_log_weights(pi, kept=kept, counts=counts, num_samples=m)
+    assert torch.equal(same, counts_log_weights(pi, kept, counts))
+    none = counts_log_weights(pi, kept, counts, tau=math.inf)
     assert torch.equal(none, torch.zeros(3, 20))
 
 
@@ -85,14 +83,12 @@ def test_inclusion_log_weights_in_log_space():
     pi = torch.tensor([[1e-13, 1e-7, 0.2, 0.8 - 1e-7 - 1e-13]], dtype=torch.float64)
     for m in (1, 10, 10**6, 10**12):
         kept = torch.ones(1, 4, dtype=torch.bool)
-        got = log_weights(pi, kept, weights="inclusion", num_samples=m)
+        got = inclusion_log_weights(pi, kept, m)
         ref = [_mp_neg_log_inclusion(x, m) for x in (pi / pi.sum()).flatten().tolist()]
         assert torch.allclose(
             got.double(), torch.tensor([ref], dtype=torch.float64), rtol=1e-6, atol=0
         )
-    got = log_weights(
-        pi, torch.ones(1, 4, dtype=torch.bool), weights="inclusion", num_samples=10**12
-    )
+    got = inclusion_log_weights(pi, torch.ones(1, 4, dtype=torch.bool), 10**12)
     assert got[0, 2].item() == 0.0 and got[0, 3].item() == 0.0  # (0.8)^1e12 underflows: P = 1
 
 
@@ -101,7 +97,7 @@ def test_pps_log_weights():
     pi = torch.softmax(randn(2, 30, seed=2, scale=3.0), -1)
     P = pps_inclusion_probabilities(pi, 10)
     kept = systematic_sample(P, gen(3))
-    got = log_weights(pi, kept, weights="pps", inclusion=P, tau=2.0)
+    got = pps_log_weights(pi, kept, P, tau=2.0)
     assert torch.allclose(
         got.double(), torch.where(kept, -P.log() / 2.0, 0.0), rtol=1e-6, atol=1e-7
     )
@@ -198,7 +194,7 @@ def test_tau_inf_is_plain_attention_over_kept_set():
     q, key, value, _, _, pi = _prefill()
     counts = sample_counts(pi, 30, gen(1))
     kept = counts > 0
-    lw = log_weights(pi, kept, weights="counts", counts=counts, tau=math.inf)
+    lw = counts_log_weights(pi, kept, counts, tau=math.inf)
     new_k, new_v = randn(3, 8, seed=20), randn(3, 4, seed=21)
     keys = torch.cat([key[kept], new_k]).unsqueeze(0)
     values = torch.cat([value[kept], new_v]).unsqueeze(0)
@@ -228,17 +224,17 @@ def test_nothing_evicted_gives_full_attention():
     full = corrected_attention(Q, K, V, torch.zeros(1, t, dtype=torch.float64), scale=8**-0.5)
     assert torch.allclose(full, plain_attention(Q, K, V, 8**-0.5), rtol=1e-12)
 
-    lw = log_weights(pi, kept, weights="inclusion", num_samples=m)
+    lw = inclusion_log_weights(pi, kept, m)
     assert (lw == 0).all()
     assert torch.equal(corrected_attention(Q, K, V, lw[None].double(), scale=8**-0.5), full)
 
     P = pps_inclusion_probabilities(pi, t)
     kept_pps = systematic_sample(P, gen(3))
-    lw = log_weights(pi, kept_pps, weights="pps", inclusion=P)
+    lw = pps_log_weights(pi, kept_pps, P)
     assert kept_pps.all() and (lw == 0).all()
     assert torch.equal(corrected_attention(Q, K, V, lw[None].double(), scale=8**-0.5), full)
 
-    lw = log_weights(pi, kept, weights="counts", counts=counts).double()
+    lw = counts_log_weights(pi, kept, counts).double()
     w = lw.exp()
     dev = (w - 1).abs().max().item()
     assert dev > 0  # not exact, as explained above
@@ -257,13 +253,13 @@ def _replicates(pi: torch.Tensor, scheme: str, S: int, ratio: float, seed: int):
     if scheme == "pps":
         P = pps_inclusion_probabilities(rows, round((1 - ratio) * t))
         kept = systematic_sample(P, gen(seed))
-        return kept, log_weights(rows, kept, weights="pps", inclusion=P)
+        return kept, pps_log_weights(rows, kept, P)
     m = samples_for_ratio(rows, ratio)
     counts = sample_counts(rows, m, gen(seed))
     kept = counts > 0
     if scheme == "counts":
-        return kept, log_weights(rows, kept, weights="counts", counts=counts)
-    return kept, log_weights(rows, kept, weights="inclusion", num_samples=m)
+        return kept, counts_log_weights(rows, kept, counts)
+    return kept, inclusion_log_weights(rows, kept, m)
 
 
 def _z_scores(samples: torch.Tensor, truth: torch.Tensor) -> torch.Tensor:
@@ -308,7 +304,7 @@ def test_second_eviction_composed_weights_are_unbiased():
     P2 = pps_inclusion_probabilities(second, k2)
     kept2 = systematic_sample(P2, gen(13))
     assert (kept2 <= kept1).all() and torch.equal(kept2.sum(-1), k2)
-    lw2 = log_weights(second, kept2, weights="pps", inclusion=P2)
+    lw2 = pps_log_weights(second, kept2, P2)
     lw = compose_log_weights(lw1, lw2)
     total, _ = eviction_time_estimate(
         target.expand(S, -1), value.expand(S, -1, -1), log_weights=lw, kept=kept2
@@ -324,7 +320,7 @@ def _self_normalised(logits, value, pi, counts):
     after t): target logits on the keys, evicted entries dropped with log-weight -inf."""
     S, t = counts.shape
     kept = counts > 0
-    lw = log_weights(pi.expand(S, t), kept, weights="counts", counts=counts).double()
+    lw = counts_log_weights(pi.expand(S, t), kept, counts).double()
     lw = lw.masked_fill(~kept, -math.inf)
     ones = torch.ones(S, 1, 1, dtype=torch.float64)  # q . k_i = logit_i with d = 1, scale 1
     keys = logits.expand(S, t).unsqueeze(-1)
@@ -432,42 +428,31 @@ def test_log_weights_rejects_bad_combinations():
     counts = torch.tensor([[2, 0, 1, 0], [0, 0, 3, 0]])
     kept = counts > 0
     P = pps_inclusion_probabilities(pi, 2)
+    # One function per scheme: combinations such as pps weights with counts, or an unknown
+    # scheme name, cannot be expressed (the policy validates its ``weights`` field, S9).
     cases = [
-        (dict(weights="counts"), "needs counts"),
-        (dict(weights="inclusion"), "needs num_samples"),
-        (dict(weights="pps"), "needs inclusion"),
-        (dict(weights="pps", inclusion=P, counts=counts), "omit counts and num_samples"),
-        (dict(weights="counts", counts=counts, inclusion=P), "does not take inclusion"),
-        (dict(weights="counts", counts=counts, num_samples=4), r"num_samples \[4, 4\] differs"),
-        (dict(weights="counts", counts=counts.float()), "non-negative integers"),
-        (dict(weights="counts", counts=-counts), "non-negative integers"),
-        (dict(weights="hh", counts=counts), "weights must be one of"),
-        (dict(weights="counts", counts=counts, tau=0.0), "tau must be > 0"),
-        (dict(weights="counts", counts=counts, tau=-1.0), "tau must be > 0"),
-        (dict(weights="inclusion", num_samples=-1), "num_samples must be >= 0"),
-        (dict(weights="pps", inclusion=P * 3), r"inclusion must lie in \[0, 1\]"),
+        (counts_log_weights, dict(counts=None), "needs counts"),
+        (inclusion_log_weights, dict(num_samples=None), "needs num_samples"),
+        (pps_log_weights, dict(inclusion=None), "needs inclusion"),
+        (counts_log_weights, dict(counts=counts, num_samples=4), r"num_samples \[4, 4\] differs"),
+        (counts_log_weights, dict(counts=counts.float()), "non-negative integers"),
+        (counts_log_weights, dict(counts=-counts), "non-negative integers"),
+        (counts_log_weights, dict(counts=counts, tau=0.0), "tau must be > 0"),
+        (counts_log_weights, dict(counts=counts, tau=-1.0), "tau must be > 0"),
+        (inclusion_log_weights, dict(num_samples=-1), "num_samples must be >= 0"),
+        (pps_log_weights, dict(inclusion=P * 3), r"inclusion must lie in \[0, 1\]"),
     ]
-    for kwargs, message in cases:
+    for log_weights, kwargs, message in cases:
         with pytest.raises(ValueError, match=message):
             log_weights(pi, kept, **kwargs)
     with pytest.raises(ValueError, match="kept must be exactly the entries with counts > 0"):
-        log_weights(pi, ~kept, weights="counts", counts=counts)
+        counts_log_weights(pi, ~kept, counts)
     with pytest.raises(ValueError, match=r"kept must be a bool tensor of shape \(2, 4\)"):
-        log_weights(pi, kept[:, :3], weights="inclusion", num_samples=3)
+        inclusion_log_weights(pi, kept[:, :3], 3)
     with pytest.raises(ValueError, match="proposal probability 0"):
-        log_weights(
-            torch.tensor([[0.0, 1.0]]),
-            torch.tensor([[True, True]]),
-            weights="inclusion",
-            num_samples=3,
-        )
+        inclusion_log_weights(torch.tensor([[0.0, 1.0]]), torch.tensor([[True, True]]), 3)
     with pytest.raises(ValueError, match="negative"):
-        log_weights(
-            torch.tensor([[-0.5, 1.5]]),
-            torch.tensor([[True, True]]),
-            weights="inclusion",
-            num_samples=3,
-        )
+        inclusion_log_weights(torch.tensor([[-0.5, 1.5]]), torch.tensor([[True, True]]), 3)
 
 
 def test_attention_rejects_bad_shapes():

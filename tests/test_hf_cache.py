@@ -17,7 +17,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import probkv.hf.cache as cache_module
-from probkv.hf import ProbKVCache, answer, compress, prepare_model
+from probkv.hf import LayerState, ProbKVCache, answer, compress, prepare_model
 from probkv.policies import parse_method
 from probkv.testing import TINY_ARCHITECTURES, tiny_model
 
@@ -257,6 +257,35 @@ def test_generate_with_sampling_runs(tiny):
     )
     assert out.shape == (1, 36)
     assert 0.3 < cache.effective_ratio() < 0.7
+
+
+def test_layers_move_through_their_states(tiny):
+    """PREFILL -> OBSERVED (prefill seen; a global policy waits for every layer) -> EVICTED;
+    a layerwise policy goes through OBSERVED inside the prefill; reset() starts over."""
+    ids = random_ids(tiny, 30, seed=19)
+    cache = ProbKVCache(tiny.config, parse_method("prob:h2o/scope=global", ratio=0.5))
+    layers = [cache.layers[i] for i in cache.evicting_layers]
+    assert all(layer.state is LayerState.PREFILL for layer in layers)
+    assert cache.token_ids is None and not cache.eviction_pending
+    with torch.no_grad():
+        tiny(input_ids=ids, cache=cache, use_cache=True)
+    assert all(layer.state is LayerState.OBSERVED for layer in layers)
+    assert all(layer.observation is not None and layer.report is None for layer in layers)
+    assert cache.eviction_pending
+    observation = layers[0].observation
+    cache.evict()
+    assert all(layer.state is LayerState.EVICTED and layer.is_evicted for layer in layers)
+    assert all(layer.observation is None and layer.report is not None for layer in layers)
+    assert not cache.eviction_pending
+    with pytest.raises(ValueError, match="cannot evict before prefill"):
+        cache.evict()
+    with pytest.raises(RuntimeError, match="observed twice"):
+        layers[0].observed(observation)
+    layerwise = compress(tiny, ids, parse_method("snapkv/window=8", ratio=0.5))
+    assert all(layerwise.layers[i].state is LayerState.EVICTED for i in layerwise.evicting_layers)
+    assert torch.equal(layerwise.token_ids, ids)
+    layers[0].reset()
+    assert layers[0].state is LayerState.PREFILL and layers[0].prefix is None
 
 
 def test_reports_give_kept_counts_ratios_mass_and_ess(tiny):

@@ -1,30 +1,110 @@
-"""The maths layer stays pure (docs/architecture.md): importing it loads neither transformers
-nor probkv's policies, integration or evaluation; the policies do not load the integration."""
+"""The layers of docs/architecture.md, checked on every module of probkv (found, not listed).
+
+- maths (every top-level module but ``models``, ``testing`` and ``cli``) imports neither
+  transformers nor probkv's policies, integration, evaluation, model loading or CLI;
+- the policies import neither transformers nor the integration, evaluation, models or CLI;
+- the evaluation never touches transformers' attention registry nor switches a model's
+  attention implementation: it runs models through the integration (``probkv.hf``);
+- no two probkv modules import each other, directly or through others.
+
+Each rule is checked statically on the source (every import statement, inside functions too,
+so a lazy import cannot hide), and the first two also at runtime in a fresh interpreter (what
+importing a module really loads, through every module it imports).
+"""
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import json
+import pkgutil
 import subprocess
 import sys
+from pathlib import Path
 
-MATHS = [
-    "probkv.attention",
-    "probkv.scores",
-    "probkv.proposals",
-    "probkv.sampling",
-    "probkv.estimator",
-    "probkv.budgets",
-    "probkv.hardness",
-    "probkv.selection",
-]
-FORBIDDEN_FOR_MATHS = [
-    "transformers",
-    "probkv.policies",
-    "probkv.hf",
-    "probkv.eval",
-    "probkv.models",
-]
-FORBIDDEN_FOR_POLICIES = ["transformers", "probkv.hf", "probkv.eval", "probkv.models"]
+import probkv
+
+NOT_MATHS = ("probkv.models", "probkv.testing", "probkv.cli")
+HIGHER_LAYERS = ("probkv.policies", "probkv.hf", "probkv.eval", *NOT_MATHS)
+FORBIDDEN = {
+    "maths": ("transformers", *HIGHER_LAYERS),
+    "policies": ("transformers", *HIGHER_LAYERS[1:]),
+}
+# transformers' attention registry and implementation switch: only probkv.hf may use them.
+ATTENTION_REGISTRY = {
+    "AttentionInterface",
+    "AttentionMaskInterface",
+    "ALL_ATTENTION_FUNCTIONS",
+    "ALL_MASK_ATTENTION_FUNCTIONS",
+    "set_attn_implementation",
+    "_attn_implementation",
+    "attn_implementation",
+}
+REGISTRY_MODULES = ("transformers.modeling_utils", "transformers.masking_utils")
+
+
+def discover() -> dict[str, Path]:
+    """Every module of probkv (packages as their ``__init__``) -> its source file."""
+    modules = {"probkv": Path(probkv.__file__)}
+    for info in pkgutil.walk_packages(probkv.__path__, "probkv."):
+        modules[info.name] = Path(importlib.util.find_spec(info.name).origin)
+    return modules
+
+
+MODULES = discover()
+
+
+def layer(module: str) -> str:
+    if module.startswith(HIGHER_LAYERS):
+        return next(p for p in HIGHER_LAYERS if module.startswith(p)).removeprefix("probkv.")
+    return "root" if module == "probkv" else "maths"
+
+
+def imports(module: str) -> dict[str, bool]:
+    """Modules ``module`` imports -> whether at module level (else inside a function or class).
+    ``from a import b`` counts as importing ``a.b`` when that is a module, else ``a``."""
+    tree = ast.parse(MODULES[module].read_text(encoding="utf-8"))
+    top_level = {id(node) for node in tree.body}
+    package = module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
+    found: dict[str, bool] = {}
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative import
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            names = [
+                f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names
+            ]
+        for name in names:
+            found[name] = found.get(name, False) or id(node) in top_level
+    return found
+
+
+def test_modules_are_discovered():
+    assert {
+        "probkv.scores",
+        "probkv.policies.base",
+        "probkv.hf.cache",
+        "probkv.eval.runner",
+    } <= set(MODULES)
+    assert layer("probkv.scores") == "maths" and layer("probkv.hf.cache") == "hf"
+    assert layer("probkv.testing") == "testing"
+
+
+def test_no_forbidden_import_statements():
+    """Every import statement of the maths and policies layers, lazy ones included."""
+    bad = []
+    for module in MODULES:
+        forbidden = FORBIDDEN.get(layer(module), ())
+        bad += [
+            f"{module} imports {name}" for name in imports(module) if name.startswith(forbidden)
+        ]
+    assert bad == []
+
 
 # Imports the modules one by one in a fresh interpreter and records, after each, which
 # forbidden modules have been loaded so far: the first module that loads one is the culprit.
@@ -40,11 +120,96 @@ print(json.dumps(out))
 
 
 def test_maths_and_policies_import_no_model_code():
-    steps = [[m, FORBIDDEN_FOR_MATHS] for m in MATHS] + [
-        ["probkv.policies", FORBIDDEN_FOR_POLICIES]
-    ]
+    """What importing really loads (transitively), maths first, then the policies."""
+    order = sorted(MODULES, key=lambda m: (layer(m) != "maths", m))
+    steps = [[m, FORBIDDEN[layer(m)]] for m in order if layer(m) in FORBIDDEN]
+    assert [m for m, _ in steps if layer(m) == "policies"]  # both layers are probed
     done = subprocess.run(
         [sys.executable, "-c", PROBE, json.dumps(steps)], capture_output=True, text=True, check=True
     )
     for module, loaded in json.loads(done.stdout):
         assert loaded == [], f"importing {module} loaded {loaded}"
+
+
+def registry_uses(module: str) -> list[str]:
+    """Where ``module``'s source names transformers' attention registry or implementation
+    switch: identifiers, attributes, imported names, keyword arguments and string literals
+    (a ``getattr(model, "set_attn_implementation")`` counts too)."""
+    tree = ast.parse(MODULES[module].read_text(encoding="utf-8"))
+    uses = []
+    for node in ast.walk(tree):
+        word = None
+        if isinstance(node, ast.Name):
+            word = node.id
+        elif isinstance(node, ast.Attribute):
+            word = node.attr
+        elif isinstance(node, ast.alias):
+            word = node.name.rpartition(".")[2]
+        elif isinstance(node, ast.keyword):
+            word = node.arg
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            word = node.value
+        if word in ATTENTION_REGISTRY:
+            uses.append(f"{module}:{getattr(node, 'lineno', '?')} {word}")
+    uses += [f"{module} imports {m}" for m in imports(module) if m.startswith(REGISTRY_MODULES)]
+    return uses
+
+
+def test_evaluation_never_touches_the_attention_registry():
+    """The evaluation and CLI use the integration's attention function through probkv.hf; only
+    probkv.hf registers functions or switches a model's attention implementation."""
+    evaluation = [m for m in MODULES if layer(m) in ("eval", "cli", "maths", "policies")]
+    assert "probkv.eval.attention_error" in evaluation
+    assert [use for m in evaluation for use in registry_uses(m)] == []
+    assert registry_uses("probkv.hf.model")  # the check does see the integration's own use
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_cycles_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles():
+    """No probkv module imports itself through others: neither at import time (module-level
+    imports) nor through a lazy import inside a function (which would hide a real cycle)."""
+    for lazy in (False, True):
+        edges = {
+            m: {name for name, top in imports(m).items() if name in MODULES and (top or lazy)}
+            for m in MODULES
+        }
+        assert cycles(edges) == [], "lazy imports included" if lazy else "module-level imports"

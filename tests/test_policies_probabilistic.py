@@ -6,21 +6,20 @@ full support on the entries that are not forced, for the take-all stratum of for
 is. The selections' log-weights are checked against the estimator formulas, and the
 statistical claims (expected kept count, unbiased corrected totals) with fixed seeds and
 tolerances derived from the known variances. Observations come from the integration's own
-prefill path (``probkv.hf.attention.observe_prefill``).
+prefill path (``probkv.observation.observe_layer``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from probkv import sampling
-from probkv.hf.attention import observe_prefill
+from probkv import sample_size, sampling
+from probkv.observation import observe_layer
 from probkv.policies import ProbabilisticPolicy, parse_method
 from probkv.proposals import FLOOR
 from probkv.scores import SCORE_NAMES
@@ -41,9 +40,17 @@ def random_layer(t: int, hkv: int, g: int, seed: int, d: int = 8):
 
 
 def observe(policy, q, k, v, layer_idx: int = 0):
-    layer = SimpleNamespace(policy=policy, layer_idx=layer_idx, rank=layer_idx, observation=None)
-    observe_prefill(layer, q, k, v, SCALE)
-    return layer.observation
+    _, observation = observe_layer(
+        q,
+        k,
+        v,
+        scale=SCALE,
+        score=policy.score,
+        score_params=policy.score_params,
+        layer_idx=layer_idx,
+        rank=layer_idx,
+    )
+    return observation
 
 
 def dense_probabilities(q, k):
@@ -192,7 +199,7 @@ def test_inclusion_weights_are_one_over_the_inclusion_probability():
     for tau in (1.0, 2.0):
         policy, obs = one_layer(f"prob:min-h/sampler=with_replacement/weights=inclusion/tau={tau}")
         pi = policy.proposal(obs).double()
-        m = sampling.samples_for_ratio(pi, 0.5, scope="head")
+        m = sample_size.samples_for_ratio(pi, 0.5)
         (sel,) = policy.select([obs], num_layers=1)
         for h in range(2):
             idx, logw = sel.head(h)
@@ -206,7 +213,7 @@ def test_count_weights_recover_integer_counts_summing_to_m():
     that add up to the number of samples m of the head."""
     policy, obs = one_layer("prob:h2o/sampler=with_replacement/weights=counts")
     pi = policy.proposal(obs).double()
-    m = sampling.samples_for_ratio(pi, 0.5, scope="head")
+    m = sample_size.samples_for_ratio(pi, 0.5)
     (sel,) = policy.select([obs], num_layers=1)
     for h in range(2):
         idx, logw = sel.head(h)
@@ -279,10 +286,10 @@ def test_expected_kept_count_is_the_budget():
     Var[J] <= sum_i P_i (1 - P_i); the mean over N seeds is within 4 standard errors."""
     policy, obs = one_layer("prob:h2o/sampler=with_replacement", t=60, hkv=1, ratio=0.5)
     pi = policy.proposal(obs).double()
-    m = sampling.samples_for_ratio(pi, 0.5, scope="head")
-    expected = float(sampling.expected_distinct(pi, m)[0])
+    m = sample_size.samples_for_ratio(pi, 0.5)
+    expected = float(sample_size.expected_distinct(pi, m)[0])
     assert abs(expected - 30) <= 0.5
-    inclusion = sampling.inclusion_probabilities_with_replacement(pi, m)
+    inclusion = sample_size.inclusion_probabilities_with_replacement(pi, m)
     var_bound = float((inclusion * (1 - inclusion)).sum())
     n = 300
     kept = [
@@ -308,8 +315,8 @@ def test_inclusion_weighted_total_is_unbiased():
     variance is at most sum_i f_i^2 (1 - P_i) / P_i; 4 standard errors over N seeds."""
     policy, obs = one_layer("prob:h2o/sampler=with_replacement/uniform_mix=0.5", t=40, hkv=1)
     pi = policy.proposal(obs).double()[0]
-    m = sampling.samples_for_ratio(pi, 0.5, scope="head")
-    inclusion = sampling.inclusion_probabilities_with_replacement(pi, m)
+    m = sample_size.samples_for_ratio(pi, 0.5)
+    inclusion = sample_size.inclusion_probabilities_with_replacement(pi, m)
     f = torch.linspace(0.1, 2.0, 40, dtype=F64) ** 2
     n = 400
     totals = corrected_totals(policy, obs, f, range(n))
@@ -324,7 +331,7 @@ def test_count_weighted_total_is_unbiased():
         "prob:h2o/sampler=with_replacement/uniform_mix=0.5/weights=counts", t=40, hkv=1
     )
     pi = policy.proposal(obs).double()[0]
-    m = int(sampling.samples_for_ratio(pi, 0.5, scope="head"))
+    m = int(sample_size.samples_for_ratio(pi, 0.5))
     f = torch.linspace(0.1, 2.0, 40, dtype=F64) ** 2
     n = 400
     totals = corrected_totals(policy, obs, f, range(n))
@@ -342,8 +349,8 @@ def test_global_scope_shares_one_m_and_hits_the_mean_fraction():
     t, n = 50, 200
     obs = [observe(policy, *random_layer(t, 2, 2, seed=20 + i), layer_idx=i) for i in range(2)]
     pis = [policy.proposal(o).double() for o in obs]
-    m = sampling.samples_for_ratio(pis, 0.6, scope="global")
-    inclusion = torch.cat([sampling.inclusion_probabilities_with_replacement(p, m) for p in pis])
+    m = sample_size.samples_for_ratio_global(pis, 0.6)
+    inclusion = torch.cat([sample_size.inclusion_probabilities_with_replacement(p, m) for p in pis])
     expected = float(inclusion.sum(-1).mean()) / t
     assert abs(expected - 0.4) <= 0.5 / t
     fractions = []

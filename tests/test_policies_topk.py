@@ -3,7 +3,7 @@
 Every top-k method (StreamingLLM, H2O, SnapKV, TOVA, K-norm, PyramidKV, Ada-SnapKV,
 Ada-PyramidKV and the top-k of the S2 proposals) must keep exactly the entries a plainly
 written reference keeps. Observations are built by the integration's own prefill path
-(``probkv.hf.attention.observe_prefill``, which calls ``probkv.scores.compute_scores``) from
+(``probkv.observation.observe_layer``, which calls ``probkv.scores.compute_scores``) from
 random GQA tensors; the references below recompute each score from a dense causal softmax with
 explicit loops, from the method's paper definition, and select with explicit sorting.
 
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 from fractions import Fraction
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,7 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from probkv.budgets import pyramid_budgets
-from probkv.hf.attention import observe_prefill
+from probkv.observation import observe_layer
 from probkv.policies import LayerObservation, TopKPolicy, parse_method
 from probkv.policies.base import fit_forced
 from probkv.proposals import FLOOR
@@ -53,10 +52,18 @@ def random_layer(t: int, hkv: int, g: int, seed: int, d: int = 8):
 
 
 def observe(policy, q, k, v, *, layer_idx: int = 0, rank: int = 0) -> LayerObservation:
-    """The observation the integration builds at prefill (observe_prefill on a stand-in layer)."""
-    layer = SimpleNamespace(policy=policy, layer_idx=layer_idx, rank=rank, observation=None)
-    observe_prefill(layer, q, k, v, SCALE)
-    return layer.observation
+    """The observation the integration builds at prefill (``observe_layer``)."""
+    _, observation = observe_layer(
+        q,
+        k,
+        v,
+        scale=SCALE,
+        score=policy.score,
+        score_params=policy.score_params,
+        layer_idx=layer_idx,
+        rank=rank,
+    )
+    return observation
 
 
 def observe_layers(policy, num_layers, t, hkv, g, seed):

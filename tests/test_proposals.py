@@ -1,5 +1,5 @@
 """Tests of probkv.proposals: temperature, uniform mixing, floor, forced entries, GQA
-mixture and the by-name builder (SPEC S2, S6).
+mixture, and the proposal of every named score (SPEC S2, S6).
 
 References are plain float64 formulas written in this file; outputs are float32, so
 comparisons allow float32 rounding of probabilities (relative 2^-24 ~ 6e-8; tolerance 1e-6).
@@ -8,20 +8,14 @@ comparisons allow float32 rounding of probabilities (relative 2^-24 ~ 6e-8; tole
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from probkv.proposals import (
-    FLOOR,
-    Proposal,
-    build_proposal,
-    group_mixture,
-    proposal_from_log_scores,
-    with_floor,
-)
+from probkv.proposals import FLOOR, group_mixture, proposal_from_log_scores, with_floor
 from probkv.scores import SCORE_NAMES, compute_scores
 
 torch.set_num_threads(1)
@@ -185,7 +179,23 @@ def test_property_uniform_mix_zero_is_uniform(t, spread, seed):
     torch.testing.assert_close(pi.double(), torch.full((2, t), 1 / t, dtype=F64), rtol=1e-6, atol=0)
 
 
-# ------------------------------------------------------------------------ build_proposal
+# ------------------------------------------------------------ proposal of a named score
+
+
+@dataclass(frozen=True)
+class Proposal:
+    pi: torch.Tensor
+    forced: torch.Tensor | None
+
+
+def build_proposal(name, query, key, value, *, scale, tau=1.0, uniform_mix=1.0, **params):
+    """The S2 proposal of score ``name`` for one layer, composed as ``ProbabilisticPolicy``
+    composes it: ``compute_scores`` then ``proposal_from_log_scores``."""
+    scores = compute_scores(name, query, key, value, scale=scale, **params)
+    pi = proposal_from_log_scores(
+        scores.log_scores, tau=tau, uniform_mix=uniform_mix, forced=scores.forced
+    )
+    return Proposal(pi, scores.forced)
 
 
 def make_layer(t, hkv, g, d=8, seed=0):

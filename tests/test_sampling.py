@@ -1,4 +1,5 @@
-"""Tests of probkv.sampling (SPEC S3 sampling and number of samples, S9 pps).
+"""Tests of probkv.sampling and probkv.sample_size (SPEC S3 sampling and number of samples,
+S9 pps).
 
 Statistical tests use fixed seeds and tolerances of ``Z`` standard errors computed from the
 known variance (stated at each test). ``Z = 5``: a two-sided false alarm probability of
@@ -17,15 +18,18 @@ import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from probkv import sampling
-from probkv.sampling import (
+from probkv import sample_size, sampling
+from probkv.sample_size import (
     MAX_SAMPLES,
     expected_distinct,
     inclusion_probabilities_with_replacement,
+    samples_for_ratio,
+    samples_for_ratio_global,
+)
+from probkv.sampling import (
     pps_inclusion_probabilities,
     pps_inclusion_probabilities_global,
     sample_counts,
-    samples_for_ratio,
     systematic_sample,
 )
 
@@ -158,7 +162,7 @@ def test_samples_for_ratio_head_meets_half_tolerance(kind, t, seed, ratio):
     """S3 / Algorithm 2: |E[J(m)] - (1 - r) t| <= 0.5 per head (random, very peaked and
     one-hot-like proposals, r from 0 to 0.99), all rows searched at once."""
     pi = torch.stack([make_proposal(kind, t, seed + h) for h in range(3)])
-    m = samples_for_ratio(pi, ratio, scope="head")
+    m = samples_for_ratio(pi, ratio)
     assert m.dtype == torch.int64 and m.shape == (3,)
     reachable = _check_head_contract(pi, ratio, m)
     event(f"{int(reachable.sum())} of 3 heads reachable")
@@ -233,7 +237,7 @@ def test_samples_for_ratio_global_guarantee(lengths, kind, seed, ratio):
         torch.stack([make_proposal(kind, t, seed + 7 * layer + h) for h in range(2)])
         for layer, t in enumerate(lengths)
     ]
-    m = samples_for_ratio(pis, ratio, scope="global")
+    m = samples_for_ratio_global(pis, ratio)
     assert isinstance(m, int) and 0 <= m <= MAX_SAMPLES
     tol = 0.5 * float(np.mean([1.0 / t for t in lengths]))
     reachable = _global_fraction(pis, MAX_SAMPLES) >= (1 - ratio) - tol
@@ -258,9 +262,9 @@ def test_samples_for_ratio_global_equal_lengths_and_always_kept():
         for h, k in enumerate(per_head):
             pis[layer][h, :k] = 0.0  # always-kept positions carry no proposal mass
         pis[layer] = pis[layer] / pis[layer].sum(-1, keepdim=True)
-    m = samples_for_ratio(pis, 0.6, scope="global", always_kept=a)
+    m = samples_for_ratio_global(pis, 0.6, always_kept=a)
     assert abs(_global_fraction(pis, m, a) - 0.4) <= 0.5 / t
-    single = samples_for_ratio([pis[0][:1]], 0.6, scope="global")
+    single = samples_for_ratio_global([pis[0][:1]], 0.6)
     assert abs(expected_distinct(pis[0][:1], single).item() - 0.4 * t) <= 0.5
 
 
@@ -268,7 +272,7 @@ def test_samples_for_ratio_global_shares_budget_across_heads():
     """Appendix F.1: a peaked head keeps fewer entries than a flat one under one shared m."""
     flat = torch.full((1, 100), 0.01, dtype=torch.float64)
     peaked = make_proposal("dirichlet:0.01", 100, seed=3).unsqueeze(0)
-    m = samples_for_ratio([flat, peaked], 0.5, scope="global")
+    m = samples_for_ratio_global([flat, peaked], 0.5)
     kept_flat, kept_peaked = expected_distinct(flat, m).item(), expected_distinct(peaked, m).item()
     assert kept_flat > 50 > kept_peaked
 
@@ -495,7 +499,7 @@ def test_bad_proposal(pi, message):
     calls = [
         lambda: expected_distinct(pi, 3),
         lambda: samples_for_ratio(pi, 0.5),
-        lambda: samples_for_ratio([pi], 0.5, scope="global"),
+        lambda: samples_for_ratio_global([pi], 0.5),
         lambda: sample_counts(pi, 3, gen(0)),
         lambda: pps_inclusion_probabilities(pi, 0),
         lambda: pps_inclusion_probabilities_global([pi], 0.5),
@@ -525,12 +529,10 @@ def test_bad_counts_budgets_and_shapes():
         pps_inclusion_probabilities(pi, torch.tensor([1, -1]))
     with pytest.raises(ValueError, match="always_kept of shape"):
         samples_for_ratio(pi, 0.5, always_kept=torch.tensor([0, 0, 0]))
-    with pytest.raises(ValueError, match="scope must be one of"):
-        samples_for_ratio(pi, 0.5, scope="layer")
     with pytest.raises(ValueError, match="lists are for scope='global'"):
-        samples_for_ratio([pi], 0.5, scope="head")
+        samples_for_ratio([pi], 0.5)
     with pytest.raises(ValueError, match="list of 2"):
-        samples_for_ratio([pi, pi], 0.5, scope="global", always_kept=[0])
+        samples_for_ratio_global([pi, pi], 0.5, always_kept=[0])
     with pytest.raises(ValueError, match=r"generator must be a torch\.Generator"):
         sample_counts(pi, 3, 0)
     with pytest.raises(ValueError, match=r"inclusion probabilities must lie in \[0, 1\]"):
@@ -541,13 +543,13 @@ def test_bad_counts_budgets_and_shapes():
 
 def test_module_constants():
     """The search range is Algorithm 2's [0, 1e12]; counts stay exact in float64."""
-    assert sampling.MAX_SAMPLES == 10**12 and sampling.MAX_EXACT_COUNT == 2**53
+    assert sample_size.MAX_SAMPLES == 10**12 and sampling.MAX_EXACT_COUNT == 2**53
 
 
 def _literal_binary_search(pi: torch.Tensor, target: float) -> int:
     """Algorithm 2 (Appendix F) for one row, written plainly: bisect [0, 10^12] until
     |E[J(m)] - target| <= 0.5; if no m qualifies, the closer end of the final bracket."""
-    lo, hi = 0, sampling.MAX_SAMPLES
+    lo, hi = 0, sample_size.MAX_SAMPLES
     while lo <= hi:
         mid = (lo + hi) // 2
         value = float(expected_distinct(pi, mid))
@@ -557,7 +559,7 @@ def _literal_binary_search(pi: torch.Tensor, target: float) -> int:
             lo = mid + 1
         else:
             hi = mid - 1
-    a, b = max(lo - 1, 0), min(lo, sampling.MAX_SAMPLES)
+    a, b = max(lo - 1, 0), min(lo, sample_size.MAX_SAMPLES)
     da = abs(float(expected_distinct(pi, a)) - target)
     db = abs(float(expected_distinct(pi, b)) - target)
     return a if da <= db else b
@@ -574,5 +576,5 @@ def test_fast_search_returns_the_literal_binary_search_m(t, ratio, concentration
     """S3: the accelerated search replays Algorithm 2 exactly (same m, not just a valid one)."""
     gamma = np.random.default_rng(seed).gamma(concentration, size=t) + 1e-300
     pi = torch.tensor(gamma / gamma.sum(), dtype=torch.float64)
-    m = int(samples_for_ratio(pi.unsqueeze(0), ratio, scope="head")[0])
+    m = int(samples_for_ratio(pi.unsqueeze(0), ratio)[0])
     assert m == _literal_binary_search(pi, (1 - ratio) * t)

@@ -15,18 +15,27 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from probkv._checks import check_positive_int
 from probkv.attention import causal_attention_with_column_sums, harmonic_row_weights
 from probkv.proposals import FLOOR
 from probkv.scores import (
     FORCED_LOG_SCORE,
     SCORE_NAMES,
+    SCORE_TABLE,
+    Param,
     Scores,
+    ScoreSpec,
     column_sums_needed,
     compute_scores,
+    default_params,
+    h2o,
     knorm,
+    needs_reconstruction,
+    on_attention_scale,
     score_param_names,
     snapkv,
     streaming_llm,
+    tensor_param_names,
     validate_params,
 )
 
@@ -193,7 +202,8 @@ def test_column_sums_needed():
     assert column_sums_needed("min-h") == "harmonic"
     for name in ("min", "snapkv", "tova", "knorm", "streaming_llm", "uniform"):
         assert column_sums_needed(name) is None
-    assert set(SCORE_NAMES) == {
+    assert tuple(SCORE_TABLE) == SCORE_NAMES  # the names are the table's rows, in order
+    assert {
         "h2o",
         "h2o-h",
         "min",
@@ -203,7 +213,7 @@ def test_column_sums_needed():
         "knorm",
         "streaming_llm",
         "uniform",
-    }
+    } <= set(SCORE_NAMES)
 
 
 @pytest.mark.parametrize("name", ["h2o", "min", "snapkv"])
@@ -410,3 +420,68 @@ def test_validate_params_and_param_names():
         ValueError, match=r"unknown parameter\(s\) \['chunk_size'\] for score 'min'"
     ):
         validate_params("min", {"chunk_size": 4})
+
+
+# ---------------------------------------------------------------------------- the score table
+
+
+def test_table_declares_scale_source_and_defaults():
+    """The facts the rest of probkv reads from the table (Ada-KV's scale, S6; the policies'
+    defaults; no score needs a reconstruction pass yet)."""
+    attention = {name for name in SCORE_NAMES if on_attention_scale(name)}
+    assert attention == {"h2o", "h2o-h", "min", "min-h", "snapkv", "tova"}
+    assert not any(needs_reconstruction(name) for name in SCORE_NAMES)
+    assert default_params("snapkv") == {"window": 32, "kernel": 7, "pooling": "max", "gqa": "mean"}
+    assert default_params("streaming_llm") == {"sinks": 4}
+    assert default_params("h2o") == {}
+    assert tensor_param_names("snapkv") == ("alpha",) and tensor_param_names("knorm") == ()
+
+
+def value_norm(value: torch.Tensor) -> Scores:
+    """A toy score for the tests below (docs/architecture.md's worked example): ``log ||v_i||``."""
+    return Scores(torch.log(torch.linalg.vector_norm(value.double(), dim=-1)).float())
+
+
+def test_adding_a_score_is_one_function_and_one_row(monkeypatch):
+    """A new row is dispatched, validated and named everywhere from the table alone."""
+    from probkv.policies import DEFAULT_SCORE_PARAMS, TopKPolicy, method_name, parse_method
+
+    def vnorm(value: torch.Tensor, *, power: int = 1) -> Scores:
+        return Scores(power * value_norm(value).log_scores)
+
+    row = ScoreSpec(vnorm, ("value",), {"power": Param(2, check_positive_int)})
+    monkeypatch.setitem(SCORE_TABLE, "vnorm", row)
+    q, k, v = make_layer(12, 2, 2, seed=3)
+    got = compute_scores("vnorm", q, k, v, scale=0.3, power=3)
+    torch.testing.assert_close(got.log_scores, 3 * value_norm(v).log_scores)
+    assert score_param_names("vnorm") == ("power",) and column_sums_needed("vnorm") is None
+    with pytest.raises(ValueError, match="power must be >= 1, got 0"):
+        compute_scores("vnorm", q, k, v, scale=0.3, power=0)
+    policy = TopKPolicy(score="vnorm", ratio=0.5)
+    assert policy.score_params == {"power": 2} and policy.layerwise
+    assert method_name(policy) == "topk:vnorm"
+    assert parse_method("prob:vnorm/power=3").score_params == {"power": 3}
+    assert "vnorm" not in DEFAULT_SCORE_PARAMS  # a snapshot, taken when policies are imported
+
+
+def test_a_reconstruction_score_makes_policies_evict_all_layers_at_once(monkeypatch):
+    """Statistics from a pass after prefill: no layer can be evicted on its own."""
+    from probkv.policies import ProbabilisticPolicy, TopKPolicy
+
+    row = ScoreSpec(value_norm, ("value",), source="reconstruction")
+    monkeypatch.setitem(SCORE_TABLE, "recon", row)
+    assert needs_reconstruction("recon")
+    assert not TopKPolicy(score="recon").layerwise
+    assert not ProbabilisticPolicy(score="recon", scope="head").layerwise
+    assert TopKPolicy(score="h2o").layerwise and ProbabilisticPolicy(scope="head").layerwise
+
+
+def test_bad_rows_are_refused_when_the_table_is_built():
+    with pytest.raises(ValueError, match=r"bad inputs or params \['power'\]"):
+        ScoreSpec(value_norm, ("value",), {"power": Param(2)})
+    with pytest.raises(ValueError, match="bad inputs or params"):
+        ScoreSpec(knorm, ("keys",))
+    with pytest.raises(ValueError, match="column_sums and inputs disagree"):
+        ScoreSpec(h2o, ("query", "key", "scale"), column_sums="uniform")
+    with pytest.raises(ValueError, match="source must be one of"):
+        ScoreSpec(value_norm, ("value",), source="decode")

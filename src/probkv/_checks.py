@@ -86,3 +86,11 @@ def check_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | No
             f"value must be [Hkv, t, d_v] matching key {tuple(key.shape)}, got {tuple(value.shape)}"
         )
     return query.shape[0] // key.shape[0]
+
+
+def check_odd_int(value: int, name: str) -> int:
+    """An odd integer >= 1 (a centred pooling kernel keeps the length)."""
+    value = check_positive_int(value, name)
+    if value % 2 == 0:
+        raise ValueError(f"{name} must be odd (centred pooling keeps the length), got {value}")
+    return value

@@ -10,6 +10,7 @@ the eviction-time unnormalised total ``sum_i p~(i) v_i`` at ``tau = 1``:
 - ``"inclusion"`` (Horvitz-Thompson, same with-replacement sampler): ``w_i = 1 / (1 - (1 - pi_i)^m)``.
 - ``"pps"`` (fixed-size pps sampling): ``w_i = 1 / P_i``.
 
+One function per scheme: ``counts_log_weights``, ``inclusion_log_weights``, ``pps_log_weights``.
 Temperature: ``log w / tau``; ``tau = inf`` is no correction (``log w = 0``).
 """
 
@@ -19,10 +20,8 @@ import math
 
 import torch
 
-from probkv._checks import check_choice, check_heads, check_tau
+from probkv._checks import check_heads, check_tau
 from probkv.sampling import Count, _integer_per_row, _probabilities
-
-WEIGHTS = ("counts", "inclusion", "pps")
 
 
 def _bool_mask(kept: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -46,100 +45,151 @@ def _log_inclusion_with_replacement(log1m_p: torch.Tensor, m: torch.Tensor) -> t
     return torch.where(near_zero, small, large)
 
 
-def log_weights(
+def _prepared(
+    proposal: torch.Tensor, kept: torch.Tensor, tau: float
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """The proposal as float64 distributions, the kept mask checked against it, ``tau``."""
+    tau = check_tau(tau)
+    p = _probabilities(proposal, "proposal")
+    return p, _bool_mask(kept, p.shape), tau
+
+
+def _tempered(log_w: torch.Tensor, kept: torch.Tensor, tau: float) -> torch.Tensor:
+    """``log w / tau`` on kept entries, 0 elsewhere, float32; ``tau = inf``: zeros."""
+    if math.isinf(tau):
+        return torch.zeros(kept.shape, dtype=torch.float32, device=kept.device)
+    return torch.where(kept, log_w / tau, 0.0).to(torch.float32)
+
+
+def _draws(
+    p: torch.Tensor, kept: torch.Tensor, counts: torch.Tensor | None, num_samples: Count | None
+) -> torch.Tensor | None:
+    """``m`` per row of a with-replacement sample (int64 ``[...]``, or ``None`` if unknown):
+    ``counts.sum(-1)`` when counts are given (checked against ``kept`` and ``num_samples``),
+    else ``num_samples``. Kept entries must have positive proposal probability."""
+    batch = p.shape[:-1]
+    m = (
+        None
+        if num_samples is None
+        else _integer_per_row(num_samples, batch, "num_samples", device=p.device)
+    )
+    if counts is not None:
+        if not isinstance(counts, torch.Tensor) or counts.shape != p.shape:
+            raise ValueError(f"counts must be a tensor of shape {tuple(p.shape)}")
+        if counts.dtype.is_floating_point or counts.dtype == torch.bool or (counts < 0).any():
+            raise ValueError("counts must be non-negative integers (sampling.sample_counts)")
+        if not torch.equal(kept, counts > 0):
+            raise ValueError("kept must be exactly the entries with counts > 0")
+        drawn = counts.sum(-1).to(torch.int64)
+        if m is not None and not torch.equal(m, drawn):
+            raise ValueError(
+                f"num_samples {m.tolist()} differs from counts.sum(-1) {drawn.tolist()}"
+            )
+        m = drawn
+    if (kept & (p <= 0)).any():
+        raise ValueError("kept contains an entry with proposal probability 0")
+    return m
+
+
+def counts_log_weights(
     proposal: torch.Tensor,
     kept: torch.Tensor,
+    counts: torch.Tensor,
     *,
-    weights: str = "counts",
-    counts: torch.Tensor | None = None,
     num_samples: Count | None = None,
-    inclusion: torch.Tensor | None = None,
     tau: float = 1.0,
 ) -> torch.Tensor:
-    """Importance log-weights of the kept entries (S4 Eq. 10, S9), 0 elsewhere.
+    """Hansen-Hurwitz log-weights of a with-replacement sample (S4 Eq. 10, the paper):
+    ``(log c_i - log m - log pi_i) / tau`` on kept entries, 0 elsewhere.
 
-    - ``weights="counts"``: ``(log c_i - log m - log pi_i) / tau``. Needs ``counts``; ``m`` is
-      ``counts.sum(-1)`` (``num_samples``, if given, must equal it); ``kept`` must be
-      ``counts > 0``.
-    - ``weights="inclusion"``: ``-log(1 - (1 - pi_i)^m) / tau``, computed in log space. Needs
-      ``num_samples``; ``counts``, if given, is checked against ``kept`` and ``m``.
-    - ``weights="pps"``: ``-log P_i / tau``. Needs ``inclusion`` (the ``P`` the sample was drawn
-      with); ``counts`` and ``num_samples`` must be omitted.
+    Args:
+        proposal: ``[..., t]`` the proposal the sample was drawn from.
+        kept: bool ``[..., t]``, the sampled kept set: exactly ``counts > 0``.
+        counts: int ``[..., t]`` draws per entry (``sampling.sample_counts``); ``m`` is
+            ``counts.sum(-1)``.
+        num_samples: ``m`` per row, if given checked against ``counts.sum(-1)``.
+        tau: temperature ``> 0`` (``inf`` = no correction: zeros).
 
-    An entry whose inclusion probability is exactly 1 (``pps`` take-all, or ``"inclusion"`` once
-    ``(1 - pi_i)^m`` underflows) gets log-weight exactly 0. ``tau = inf`` returns zeros (no
-    correction). Always-kept entries (sampling module docstring) are not kept by the sampler and
-    get 0 here: weight 1, a take-all stratum.
+    Returns:
+        float32 ``[..., t]``. Always-kept entries (sampling module docstring) are not kept by
+        the sampler and get 0 here: weight 1, a take-all stratum.
+    """
+    if counts is None:
+        raise ValueError("counts_log_weights needs counts (sampling.sample_counts)")
+    p, kept, tau = _prepared(proposal, kept, tau)
+    m = _draws(p, kept, counts, num_samples)
+    safe_p = torch.where(kept, p, 1.0)
+    c = torch.where(kept, counts.to(torch.float64), 1.0)
+    log_w = torch.log(c) - torch.log(m.to(torch.float64)).unsqueeze(-1) - torch.log(safe_p)
+    return _tempered(log_w, kept, tau)
+
+
+def inclusion_log_weights(
+    proposal: torch.Tensor,
+    kept: torch.Tensor,
+    num_samples: Count | None,
+    *,
+    counts: torch.Tensor | None = None,
+    tau: float = 1.0,
+) -> torch.Tensor:
+    """Horvitz-Thompson log-weights of a with-replacement sample (S9):
+    ``-log(1 - (1 - pi_i)^m) / tau`` on kept entries, computed in log space; 0 elsewhere.
+
+    An entry whose inclusion probability rounds to 1 (``(1 - pi_i)^m`` underflows) gets
+    log-weight exactly 0.
 
     Args:
         proposal: ``[..., t]`` the proposal the sample was drawn from.
         kept: bool ``[..., t]``, the sampled kept set.
-        weights: ``"counts"``, ``"inclusion"`` or ``"pps"``.
-        counts: int ``[..., t]`` draws per entry (``sampling.sample_counts``).
-        num_samples: ``m`` per row: int or integer tensor broadcastable to ``[...]``.
-        inclusion: ``[..., t]`` pps inclusion probabilities.
-        tau: temperature ``> 0`` (``inf`` = no correction).
+        num_samples: ``m`` per row: int or integer tensor broadcastable to ``[...]``
+            (``None`` only when ``counts`` are given: then ``counts.sum(-1)``).
+        counts: optional int ``[..., t]`` draws, checked against ``kept`` and ``m``.
+        tau: temperature ``> 0`` (``inf`` = no correction: zeros).
 
     Returns:
         float32 ``[..., t]``.
     """
-    check_choice(weights, WEIGHTS, "weights")
-    tau = check_tau(tau)
-    p = _probabilities(proposal, "proposal")
-    batch = p.shape[:-1]
-    kept = _bool_mask(kept, p.shape)
+    if num_samples is None and counts is None:
+        raise ValueError("inclusion_log_weights needs num_samples (the m that was drawn)")
+    p, kept, tau = _prepared(proposal, kept, tau)
+    m = _draws(p, kept, counts, num_samples)
+    if (kept.any(-1) & (m == 0)).any():
+        raise ValueError("kept is non-empty in a row with num_samples = 0")
+    safe_p = torch.where(kept, p, 1.0)
+    log_w = -_log_inclusion_with_replacement(torch.log1p(-safe_p), m)
+    return _tempered(log_w, kept, tau)
 
-    if weights == "pps":
-        if counts is not None or num_samples is not None:
-            raise ValueError("weights='pps' uses only inclusion; omit counts and num_samples")
-        if inclusion is None:
-            raise ValueError("weights='pps' needs inclusion (the P_i the sample was drawn with)")
-        P = inclusion.to(torch.float64) if isinstance(inclusion, torch.Tensor) else None
-        if P is None or P.shape != p.shape or not torch.isfinite(P).all():
-            raise ValueError(f"inclusion must be a finite tensor of shape {tuple(p.shape)}")
-        if (P < 0).any() or (P > 1).any():
-            raise ValueError(f"inclusion must lie in [0, 1], got max {P.max().item():.6g}")
-        if (kept & (P <= 0)).any():
-            raise ValueError("kept contains an entry with inclusion probability 0")
-        log_w = -torch.log(torch.where(kept, P, 1.0))
-    else:
-        if inclusion is not None:
-            raise ValueError(f"weights={weights!r} does not take inclusion (that is for 'pps')")
-        m = (
-            None
-            if num_samples is None
-            else _integer_per_row(num_samples, batch, "num_samples", device=p.device)
-        )
-        if counts is not None:
-            if not isinstance(counts, torch.Tensor) or counts.shape != p.shape:
-                raise ValueError(f"counts must be a tensor of shape {tuple(p.shape)}")
-            if counts.dtype.is_floating_point or counts.dtype == torch.bool or (counts < 0).any():
-                raise ValueError("counts must be non-negative integers (sampling.sample_counts)")
-            if not torch.equal(kept, counts > 0):
-                raise ValueError("kept must be exactly the entries with counts > 0")
-            drawn = counts.sum(-1).to(torch.int64)
-            if m is not None and not torch.equal(m, drawn):
-                raise ValueError(
-                    f"num_samples {m.tolist()} differs from counts.sum(-1) {drawn.tolist()}"
-                )
-            m = drawn
-        elif weights == "counts":
-            raise ValueError("weights='counts' needs counts (sampling.sample_counts)")
-        if m is None:
-            raise ValueError("weights='inclusion' needs num_samples (the m that was drawn)")
-        if (kept & (p <= 0)).any():
-            raise ValueError("kept contains an entry with proposal probability 0")
-        safe_p = torch.where(kept, p, 1.0)
-        if weights == "counts":
-            c = torch.where(kept, counts.to(torch.float64), 1.0)
-            log_w = torch.log(c) - torch.log(m.to(torch.float64)).unsqueeze(-1) - torch.log(safe_p)
-        else:
-            if (kept.any(-1) & (m == 0)).any():
-                raise ValueError("kept is non-empty in a row with num_samples = 0")
-            log_w = -_log_inclusion_with_replacement(torch.log1p(-safe_p), m)
-    if math.isinf(tau):
-        return torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-    return torch.where(kept, log_w / tau, 0.0).to(torch.float32)
+
+def pps_log_weights(
+    proposal: torch.Tensor,
+    kept: torch.Tensor,
+    inclusion: torch.Tensor,
+    *,
+    tau: float = 1.0,
+) -> torch.Tensor:
+    """Log-weights of a fixed-size pps sample (S9): ``-log P_i / tau`` on kept entries, 0
+    elsewhere; exactly 0 for the take-all stratum (``P_i = 1``).
+
+    Args:
+        proposal: ``[..., t]`` the proposal the inclusion probabilities came from.
+        kept: bool ``[..., t]``, the sampled kept set (``sampling.systematic_sample``).
+        inclusion: ``[..., t]`` the ``P_i`` the sample was drawn with, in ``[0, 1]``.
+        tau: temperature ``> 0`` (``inf`` = no correction: zeros).
+
+    Returns:
+        float32 ``[..., t]``.
+    """
+    if inclusion is None:
+        raise ValueError("pps_log_weights needs inclusion (the P_i the sample was drawn with)")
+    p, kept, tau = _prepared(proposal, kept, tau)
+    P = inclusion.to(torch.float64) if isinstance(inclusion, torch.Tensor) else None
+    if P is None or P.shape != p.shape or not torch.isfinite(P).all():
+        raise ValueError(f"inclusion must be a finite tensor of shape {tuple(p.shape)}")
+    if (P < 0).any() or (P > 1).any():
+        raise ValueError(f"inclusion must lie in [0, 1], got max {P.max().item():.6g}")
+    if (kept & (P <= 0)).any():
+        raise ValueError("kept contains an entry with inclusion probability 0")
+    return _tempered(-torch.log(torch.where(kept, P, 1.0)), kept, tau)
 
 
 def compose_log_weights(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:

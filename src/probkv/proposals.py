@@ -15,29 +15,14 @@ over the ``n`` non-forced entries (``(1 - a) / n``, ``FLOOR / n``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
-from probkv._checks import check_choice, check_distribution, check_tau
+from probkv._checks import check_distribution, check_tau
 
 # Full-support floor (S2): every entry of a proposal gets at least FLOOR / t before the
 # distribution is renormalised.
 FLOOR = 1e-12
-
-
-@dataclass(frozen=True)
-class Proposal:
-    """A proposal per KV head (S2) and the entries kept outside the sampling (S6).
-
-    ``pi``: ``[Hkv, t]`` float32; rows sum to 1 over the non-forced entries, each of which
-    has probability ``>= FLOOR / n`` (before renormalising); forced entries have 0.
-    ``forced``: ``[Hkv, t]`` bool mask of the take-all stratum (weight 1), or ``None``.
-    A row whose entries are all forced is all zeros: nothing is left to sample.
-    """
-
-    pi: torch.Tensor
-    forced: torch.Tensor | None = None
 
 
 def _out_dtype(x: torch.Tensor) -> torch.dtype:
@@ -181,37 +166,3 @@ def proposal_from_log_scores(
     pi = torch.maximum(pi, FLOOR * uniform)  # S2 floor FLOOR / n on the free entries
     pi = pi / pi.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
     return pi.masked_fill(~free, 0.0).to(torch.float32)
-
-
-def build_proposal(
-    name: str,
-    query: torch.Tensor | None,
-    key: torch.Tensor,
-    value: torch.Tensor | None,
-    *,
-    scale: float,
-    tau: float = 1.0,
-    uniform_mix: float = 1.0,
-    **params: object,
-) -> Proposal:
-    """The S2 proposal ``name`` for one layer: ``compute_scores`` then
-    ``proposal_from_log_scores``.
-
-    ``name`` is one of ``probkv.scores.SCORE_NAMES`` (``h2o``, ``h2o-h``, ``min``,
-    ``min-h``, ``snapkv``, ``tova``, ``knorm``, ``streaming_llm``, ``uniform``); ``params``
-    go to ``probkv.scores.compute_scores`` (``column_sums``, ``chunk_size``, ``alpha``,
-    ``window``, ``kernel``, ``pooling``, ``sinks``). Tensors follow docs/architecture.md:
-    ``query [Hq, t, d]``, ``key``/``value [Hkv, t, d]``.
-
-    Returns a ``Proposal`` with ``pi [Hkv, t]`` float32 and the method's ``forced`` mask
-    (SnapKV's window, S6; ``None`` for the others).
-    """
-    # imported here: probkv.scores builds on this module's group_mixture and with_floor
-    from probkv.scores import SCORE_NAMES, compute_scores
-
-    check_choice(name, SCORE_NAMES, "name")
-    scores = compute_scores(name, query, key, value, scale=scale, **params)
-    pi = proposal_from_log_scores(
-        scores.log_scores, tau=tau, uniform_mix=uniform_mix, forced=scores.forced
-    )
-    return Proposal(pi, scores.forced)

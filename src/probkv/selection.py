@@ -7,6 +7,7 @@ log-weight per kept entry (``None`` means no correction: top-k methods, ``tau = 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -74,6 +75,15 @@ class RaggedSelection:
         if log_weights is not None:
             lw = torch.cat([w.to(torch.float32)[o.indices] for w, o in zip(log_weights, order)])
         return cls(indices, lengths, lw)
+
+    def dense_log_weights(self, t: int, *, evicted: float = -math.inf) -> torch.Tensor:
+        """``[Hkv, t]`` float32: each kept entry's log-weight (0 without correction), ``evicted``
+        elsewhere (``-inf``: excluded from a softmax, S4)."""
+        device = self.indices.device
+        heads = torch.repeat_interleave(torch.arange(self.num_heads, device=device), self.lengths)
+        out = torch.full((self.num_heads, t), evicted, dtype=torch.float32, device=device)
+        out[heads, self.indices] = 0.0 if self.log_weights is None else self.log_weights.float()
+        return out
 
     def to_mask(self, t: int) -> torch.Tensor:
         """Boolean ``[Hkv, t]`` mask of kept entries (for tests and diagnostics)."""

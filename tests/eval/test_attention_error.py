@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 
 import pytest
 import torch
 
+import probkv.hf.cache as cache_module
 from probkv import estimator
 from probkv.eval import attention_error as ae
 from probkv.eval.attention_error_cli import float_list, format_table
 from probkv.eval.paper_prompt import PAPER_QUESTION, PAPER_TEXT
-from probkv.hf import compress, prepare_model
-from probkv.policies import ProbabilisticPolicy, TopKPolicy
+from probkv.hf import compress, observe, prepare_model
+from probkv.policies import ProbabilisticPolicy, TopKPolicy, parse_method
 from probkv.testing import tiny_model, tiny_tokenizer
 
 torch.set_num_threads(1)
@@ -23,12 +25,12 @@ T = 40  # prompt length of the tiny-model tests
 
 @pytest.fixture(scope="module")
 def llama():
-    return tiny_model("llama")
+    return prepare_model(tiny_model("llama"))  # the capture records probkv's attention
 
 
 @pytest.fixture(scope="module")
 def gemma3():
-    return tiny_model("gemma3")
+    return prepare_model(tiny_model("gemma3"))
 
 
 def token_ids(n: int, seed: int) -> list[int]:
@@ -157,6 +159,62 @@ def test_step_one_of_the_lowest_layer_is_what_the_integration_computes(llama, po
     theirs = ae.capture_attention(llama, DECODE[:1], cache=cache, keep_tensors=False)[0]
     torch.testing.assert_close(ours, theirs.output[:, 0].float(), atol=1e-5, rtol=1e-5)
     assert cache.reports()[0].kept_per_head == selection.lengths.tolist()
+
+
+# ------------------------------------------------------------- one eviction path for both
+
+
+SHARED_PATH_METHODS = [
+    "prob:min-h/sampler=with_replacement/weights=counts/seed=3",  # sampled, with replacement
+    "prob:snapkv/window=8/seed=1",  # sampled (pps), forced window
+    "snapkv/window=8",  # top-k
+    "ada_pyramidkv/window=8",  # top-k, layer and head budgets
+    "prob:h2o/scope=global/sampler=with_replacement/seed=2",  # global scope (all layers at once)
+    "prob:h2o-h/scope=global/seed=4",  # global pps
+]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("method", SHARED_PATH_METHODS)
+def test_the_experiment_keeps_what_the_integration_keeps(arch, method, request, monkeypatch):
+    """The attention-error experiment (``ae.observe`` + ``ae.select``, what step 1 uses) and
+    ``probkv eval``'s integration path (``probkv.hf.compress``, and ``observe`` + ``evict``)
+    go through one eviction path (``observe_layer``, ``select_layers``): the same model,
+    prompt and seed keep the same entries with the same weights in every evicted layer."""
+    model = request.getfixturevalue(arch)
+    policy = parse_method(method, ratio=0.5)
+    applied: dict[int, object] = {}
+    original = cache_module.apply_selection
+
+    def recording(layer, selection, policy):
+        applied[layer.layer_idx] = selection
+        original(layer, selection, policy)
+
+    monkeypatch.setattr(cache_module, "apply_selection", recording)
+    compress(model, torch.tensor(CONTEXT), policy)
+    by_compress = dict(applied)
+    applied.clear()
+    observed = observe(model, torch.tensor(CONTEXT), policy.score, policy.score_params)
+    copy.deepcopy(observed).evict(policy)
+    by_observe = dict(applied)
+
+    captures = ae.capture_attention(model, CONTEXT + DECODE)
+    layers = ae.evicting_layers(model)
+    observations = [
+        ae.observe(
+            captures[i], score=policy.score, length=T, rank=r, score_params=policy.score_params
+        )
+        for r, i in enumerate(layers)
+    ]
+    ours = dict(zip(layers, ae.select(policy, observations), strict=True))
+    assert set(ours) == set(by_compress) == set(by_observe) == set(layers)
+    for i in layers:
+        for theirs in (by_compress[i], by_observe[i]):
+            assert torch.equal(ours[i].lengths, theirs.lengths)
+            assert torch.equal(ours[i].indices, theirs.indices)
+            assert (ours[i].log_weights is None) == (theirs.log_weights is None)
+            if theirs.log_weights is not None:  # float32 rounding of the two forwards
+                torch.testing.assert_close(ours[i].log_weights, theirs.log_weights)
 
 
 # ------------------------------------------------------------------------------ the results

@@ -22,9 +22,11 @@ Two measurements (rows' ``step``):
 - ``step = 1`` (integer): per-layer error at the first decode token, not compounded. One
   full-cache forward over ``x, d_1, ..., d_N`` (teacher forced, ``N = max(steps, 1)``) is
   captured; every layer's real post-RoPE queries, keys and values come from it (causal: its
-  first ``t`` rows are exactly the prefill of ``x``). Each policy selects from those tensors (its scores and
-  kept sets computed with ``probkv.scores`` / ``probkv.policies`` exactly as the integration
-  would: per layer in head scope, all layers at once in global scope), and the decode query of
+  first ``t`` rows are exactly the prefill of ``x``). Each policy selects from those tensors
+  through the integration's own eviction path: ``probkv.observation.observe_layer`` on the
+  first ``t`` rows, then ``probkv.policies.select_layers`` (per layer in head scope, all layers
+  at once in global scope), so the kept sets are those ``probkv.hf.compress`` keeps for the
+  same tensors (tests/eval/test_attention_error.py checks it). The decode query of
   ``d_1`` attends to the kept prefix entries (logits ``+ log w``) and to itself (no weight),
   ``probkv.estimator.corrected_attention``. The reference ``o`` is the same function with every
   entry kept and no weight. So layer ``l``'s inputs are the full model's, errors do not add up
@@ -46,41 +48,86 @@ rows, computed once, ``seeds = 1``); ``effective_ratio`` the achieved compressio
 own estimator (``weights`` and ``sampler`` are ``None`` where the estimator has none: top-k rows
 have neither, uncorrected rows have no weights; pps weights are ``"pps"``, ``1 / P_i``).
 
-Prompts (:class:`AttentionPrompt`): the ``paper`` format is the paper's Appendix E literally
-(``x`` = the plain tokenized text, ``d_1`` = the first token of the question, then the rest of
-the question and the full-cache model's greedy continuation); the ``chat`` format puts text and question in
-the chat template with the assistant turn opened, and ``d_1..d_N`` are the full-cache model's
-greedy answer (end-of-sequence suppressed so there are exactly ``N``).
+Prompts (:class:`AttentionPrompt`, the ``paper`` and ``chat`` formats) are built in
+:mod:`probkv.eval.attention_prompts` and re-exported here.
 
-Capture: a function registered in transformers' ``AttentionInterface`` under
-``"probkv_capture"`` wraps the model's own attention implementation for one forward and
-records the real tensors it is called with (no forward hooks, no re-projection). The recorder
-travels through the forward's keyword arguments, so nothing global holds state.
+Capture: ``probkv.hf.capture_attention`` runs one ordinary forward of the prepared model with a
+recorder that probkv's own attention function fills with every layer's real tensors (no
+forward hooks, no re-projection, no other attention implementation).
 """
 
 from __future__ import annotations
 
+import importlib
 import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from probkv import attention as kernels
 from probkv import estimator, scores
 from probkv._checks import check_choice, check_positive_int, check_ratio, check_tau
-from probkv.policies import EvictionPolicy, LayerObservation, ProbabilisticPolicy, TopKPolicy
+from probkv.eval.attention_prompts import (
+    PROMPT_FORMATS,
+    AttentionPrompt,
+    decode_tokens,
+    haystack_prompt,
+    paper_prompt,
+    text_prompt,
+)
+from probkv.observation import observe_layer
+from probkv.policies import (
+    EvictionPolicy,
+    FullCache,
+    LayerObservation,
+    ProbabilisticPolicy,
+    TopKPolicy,
+    select_layers,
+)
 from probkv.policies.probabilistic import SAMPLERS, SCOPES
 from probkv.selection import RaggedSelection
 
+if TYPE_CHECKING:
+    from probkv.hf import LayerCapture
+
+# The integration (probkv.hf: capture, ProbKVCache, compress) imports transformers, which takes
+# seconds, and ``probkv --help`` imports this module for its constants: the functions that run a
+# model import probkv.hf when called, and its capture is re-exported on first use.
+_FROM_INTEGRATION = ("LayerCapture", "capture_attention")
+
+
+def __getattr__(name: str):
+    if name in _FROM_INTEGRATION:
+        return getattr(importlib.import_module("probkv.hf"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "DEFINITIONS",
+    "ESTIMATORS",
+    "PROMPT_FORMATS",
+    "ROW_FIELDS",
+    "WITH_REPLACEMENT_WEIGHTS",
+    "AttentionPrompt",
+    "decode_output",
+    "decode_tokens",
+    "evicting_layers",
+    "haystack_prompt",
+    "head_errors",
+    "measure_attention_error",
+    "observe",
+    "paper_prompt",
+    "prefix_log_weights",
+    "results_header",
+    "select",
+    "text_prompt",
+    "validate_arguments",
+]
+
 ESTIMATORS = ("topk", "topk_proposal", "uncorrected", "corrected")
-PROMPT_FORMATS = ("paper", "chat")
 WITH_REPLACEMENT_WEIGHTS = ("counts", "inclusion")
-CAPTURE_IMPLEMENTATION = "probkv_capture"
-CAPTURE_KWARG = "probkv_capture"
-#: Implementations the capture can wrap: both take transformers' SDPA masks.
-CAPTURE_INNER = ("sdpa", "probkv")
 #: Keys of every result row, in this order (``probkv plot`` reads them).
 ROW_FIELDS = (
     "ratio",
@@ -118,75 +165,7 @@ DEFINITIONS = {
 }
 
 
-# ------------------------------------------------------------------------------------ capture
-
-
-@dataclass(frozen=True)
-class LayerCapture:
-    """What one attention layer computed in a captured forward (batch dimension dropped).
-
-    ``query [Hq, q, d]`` (post-RoPE, the ``q`` new positions), ``key``/``value [Hkv, n, d]``
-    (every entry the attention function saw; ``None`` when tensors were not kept), ``output
-    [Hq, q, d_v]`` (the layer's attention output before the output projection) and ``scale``
-    (the logit scaling the model used).
-    """
-
-    layer_idx: int
-    query: torch.Tensor | None
-    key: torch.Tensor | None
-    value: torch.Tensor | None
-    output: torch.Tensor
-    scale: float
-
-
-class _Recorder:
-    """Collects one forward's captures; travels as the ``probkv_capture`` forward kwarg."""
-
-    def __init__(self, inner: str, keep_tensors: bool) -> None:
-        self.inner = inner
-        self.keep_tensors = keep_tensors
-        self.captures: dict[int, LayerCapture] = {}
-
-
-def capture_attention_forward(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    *args,
-    probkv_capture: _Recorder | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The ``"probkv_capture"`` attention implementation: run the recorder's inner
-    implementation unchanged and record its real inputs and output."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    inner = ALL_ATTENTION_FUNCTIONS["sdpa" if probkv_capture is None else probkv_capture.inner]
-    out, weights = inner(module, query, key, value, attention_mask, *args, **kwargs)
-    if probkv_capture is not None:
-        scale = kwargs.get("scaling")
-        keep = probkv_capture.keep_tensors
-        probkv_capture.captures[module.layer_idx] = LayerCapture(
-            layer_idx=module.layer_idx,
-            query=query[0].detach() if keep else None,
-            key=key[0].detach() if keep else None,
-            value=value[0].detach() if keep else None,
-            output=out[0].transpose(0, 1).detach(),  # [q, Hq, d_v] -> [Hq, q, d_v]
-            scale=float(scale) if scale is not None else query.shape[-1] ** -0.5,
-        )
-    return out, weights
-
-
-def register_capture() -> None:
-    """Register ``"probkv_capture"`` (attention and mask functions; idempotent)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    from probkv.hf.attention import probkv_mask
-
-    AttentionInterface.register(CAPTURE_IMPLEMENTATION, capture_attention_forward)
-    AttentionMaskInterface.register(CAPTURE_IMPLEMENTATION, probkv_mask)
+# ---------------------------------------------------------------------------------- capture
 
 
 def _as_ids(ids: Sequence[int] | torch.Tensor, name: str) -> torch.Tensor:
@@ -199,165 +178,11 @@ def _as_ids(ids: Sequence[int] | torch.Tensor, name: str) -> torch.Tensor:
     return tensor.unsqueeze(0)
 
 
-@torch.no_grad()
-def capture_attention(
-    model, input_ids: Sequence[int] | torch.Tensor, *, cache=None, keep_tensors: bool = True
-) -> list[LayerCapture]:
-    """Run one forward of ``model`` on ``input_ids`` and return every attention layer's real
-    tensors, in layer order (:class:`LayerCapture`).
-
-    The model's current attention implementation (``"sdpa"`` or ``"probkv"``) computes as
-    usual; for this forward only the model is switched to ``"probkv_capture"``, which wraps it.
-    ``cache=None`` runs without a cache (``use_cache=False``); otherwise the forward continues
-    ``cache`` (e.g. a ``probkv.hf.ProbKVCache`` after ``compress``). ``keep_tensors=False``
-    records only the outputs.
-    """
-    inner = model.config._attn_implementation
-    if inner not in CAPTURE_INNER:
-        raise ValueError(
-            f"capture wraps the attention implementations {', '.join(map(repr, CAPTURE_INNER))}; "
-            f"the model uses {inner!r} (load it with attn_implementation='sdpa')"
-        )
-    ids = _as_ids(input_ids, "input_ids").to(model.device)
-    register_capture()
-    recorder = _Recorder(inner, keep_tensors)
-    model.set_attn_implementation(CAPTURE_IMPLEMENTATION)
-    try:
-        if cache is None:
-            model(input_ids=ids, use_cache=False, **{CAPTURE_KWARG: recorder})
-        else:
-            model(input_ids=ids, cache=cache, use_cache=True, **{CAPTURE_KWARG: recorder})
-    finally:
-        model.set_attn_implementation(inner)
-    return [recorder.captures[i] for i in sorted(recorder.captures)]
-
-
 def evicting_layers(model) -> list[int]:
     """Indices of the layers probkv evicts (global attention), as ``ProbKVCache`` picks them."""
-    from probkv.hf import ProbKVCache
-    from probkv.policies import FullCache
+    from probkv import hf  # transformers, imported on use (see the module note)
 
-    return list(ProbKVCache(model.config, FullCache()).evicting_layers)
-
-
-# ------------------------------------------------------------------------------------ prompts
-
-
-@dataclass(frozen=True)
-class AttentionPrompt:
-    """The experiment's input.
-
-    ``context_ids``: the prompt ``x`` (``t`` tokens), prefilled and then evicted.
-    ``forced_ids``: tokens that follow ``x`` as given, before any generated one (``paper``
-    format: the question's tokens, so ``d_1`` is its first token; ``chat``: none, ``d_1`` is the
-    model's first answer token). ``source`` and ``format`` describe it for the results header.
-    """
-
-    context_ids: tuple[int, ...]
-    forced_ids: tuple[int, ...]
-    source: str
-    format: str
-
-    def __post_init__(self) -> None:
-        if not self.context_ids:
-            raise ValueError("the prompt x has no tokens")
-        check_choice(self.format, PROMPT_FORMATS, "format")
-
-
-def text_prompt(
-    tokenizer, text: str, question: str, *, format: str = "paper", source: str = "text"
-) -> AttentionPrompt:
-    """The prompt for ``text`` and ``question``.
-
-    ``format="paper"`` (Appendix E): ``x`` = ``text`` tokenized as a plain string (with the
-    tokenizer's own special tokens, e.g. a BOS), forced tokens = ``question`` without special
-    tokens. ``format="chat"``: ``x`` = the chat template of the user message ``text + "\\n\\n" +
-    question`` with the assistant turn opened (plain encoding without a chat template), no forced
-    tokens.
-    """
-    check_choice(format, PROMPT_FORMATS, "format")
-    for name, value in (("text", text), ("question", question)):
-        if not isinstance(value, str) or not value.strip():
-            raise ValueError(f"{name} must be a non-empty string, got {value!r}")
-    if format == "paper":
-        context = tokenizer.encode(text, add_special_tokens=True)
-        forced = tokenizer.encode(question, add_special_tokens=False)
-    else:
-        from probkv.models import chat_prompt_ids
-
-        context = chat_prompt_ids(tokenizer, text + "\n\n" + question)[0].tolist()
-        forced = []
-    return AttentionPrompt(tuple(context), tuple(forced), source, format)
-
-
-def paper_prompt(tokenizer, *, format: str = "paper") -> AttentionPrompt:
-    """The paper's Appendix E text and question (:mod:`probkv.eval.paper_prompt`)."""
-    from probkv.eval.paper_prompt import PAPER_QUESTION, PAPER_TEXT
-
-    return text_prompt(tokenizer, PAPER_TEXT, PAPER_QUESTION, format=format, source="paper")
-
-
-def haystack_prompt(
-    tokenizer, num_tokens: int, *, format: str = "chat", question: str | None = None, seed: int = 0
-) -> AttentionPrompt:
-    """A long prompt of at most ``num_tokens`` tokens (``x``: chat template included): probkv's
-    seeded prose haystack (:mod:`probkv.eval.haystack`) with the Appendix E text inserted at
-    the sentence boundary nearest to the middle, then ``question`` (default: Appendix E's).
-    The haystack is the largest number of words that fits; the result is within a few tokens
-    of ``num_tokens``."""
-    from probkv.eval import haystack
-    from probkv.eval.paper_prompt import PAPER_QUESTION, PAPER_TEXT
-
-    check_positive_int(num_tokens, "num_tokens")
-    question = PAPER_QUESTION if question is None else question
-    stream = haystack.word_stream("prose", seed)
-
-    def build(words: int) -> AttentionPrompt:
-        text = stream.render(words, [(0.5, PAPER_TEXT)])
-        return text_prompt(tokenizer, text, question, format=format, source="haystack")
-
-    best = build(0)
-    if len(best.context_ids) > num_tokens:
-        raise ValueError(
-            f"num_tokens={num_tokens} is too small: the Appendix E text and question alone take "
-            f"{len(best.context_ids)} tokens in the {format!r} format"
-        )
-    lo, hi = 0, None  # lo fits; hi does not (None: not found yet, search upwards)
-    step = 64
-    while hi is None or hi - lo > 1:
-        probe = lo + step if hi is None else (lo + hi) // 2
-        candidate = build(probe)
-        if len(candidate.context_ids) <= num_tokens:
-            lo, best = probe, candidate
-            step *= 2
-        else:
-            hi = probe
-    return best
-
-
-@torch.no_grad()
-def decode_tokens(model, prompt: AttentionPrompt, steps: int) -> tuple[int, ...]:
-    """``d_1..d_N`` with ``N = steps``: the prompt's forced tokens, then the full-cache model's
-    greedy continuation of ``x`` + those (end-of-sequence suppressed, so exactly ``N``)."""
-    check_positive_int(steps, "steps")
-    forced = prompt.forced_ids[:steps]
-    missing = steps - len(forced)
-    if missing == 0:
-        return tuple(forced)
-    ids = torch.tensor([list(prompt.context_ids) + list(forced)], device=model.device)
-    pad = model.generation_config.pad_token_id
-    if pad is None:
-        eos = model.generation_config.eos_token_id
-        pad = eos[0] if isinstance(eos, list) else eos
-    out = model.generate(
-        input_ids=ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=missing,
-        min_new_tokens=missing,
-        do_sample=False,
-        pad_token_id=pad,
-    )
-    return tuple(forced) + tuple(out[0, ids.shape[1] :].tolist())
+    return list(hf.ProbKVCache(model.config, FullCache()).evicting_layers)
 
 
 # ---------------------------------------------------------------------------------- measuring
@@ -366,49 +191,36 @@ def decode_tokens(model, prompt: AttentionPrompt, steps: int) -> tuple[int, ...]
 def observe(
     capture: LayerCapture, *, score: str, length: int, rank: int, score_params: dict | None = None
 ) -> LayerObservation:
-    """The policy's observation of one layer's prefill from captured tensors: the log-scores of
-    ``score`` (S2, S5) over the first ``length`` entries, as the integration computes them."""
+    """The policy's observation of one layer's prefill from captured tensors: ``score`` (S2,
+    S5) over the first ``length`` entries, by the integration's own ``observe_layer``."""
     t = length
-    query, key, value = capture.query[:, :t], capture.key[:, :t], capture.value[:, :t]
-    result = scores.compute_scores(
-        score, query, key, value, scale=capture.scale, **(score_params or {})
-    )
-    last = kernels.attention_rows(
-        query[:, -1:],
-        key,
+    _, observation = observe_layer(
+        capture.query[:, :t],
+        capture.key[:, :t],
+        capture.value[:, :t],
         scale=capture.scale,
-        row_positions=torch.tensor([t - 1], device=key.device),
-    )[:, 0]
-    h = key.shape[0]
-    return LayerObservation(
+        score=score,
+        score_params=score_params,
         layer_idx=capture.layer_idx,
         rank=rank,
-        log_scores=result.log_scores,
-        forced=result.forced,
-        last_query_attention=last.float().view(h, -1, t).mean(1),
     )
+    return observation
 
 
 def select(
     policy: EvictionPolicy, observations: Sequence[LayerObservation]
 ) -> list[RaggedSelection]:
-    """The policy's selections, called as ``ProbKVCache`` calls it: one layer at a time when
-    the policy is layerwise (head scope: same random streams as the integration), else all
-    layers at once (global scope, S3)."""
-    n = len(observations)
-    if policy.layerwise:
-        return [policy.select([obs], num_layers=n)[0] for obs in observations]
-    return policy.select(list(observations), num_layers=n)
+    """The policy's selections of these (all the model's evicting) layers, through the entry
+    point ``ProbKVCache`` uses (``probkv.policies.select_layers``): one layer at a time when
+    the policy is layerwise (head scope: the integration's random streams), else all layers
+    at once (global scope, S3)."""
+    return select_layers(policy, observations, num_layers=len(observations))
 
 
 def prefix_log_weights(selection: RaggedSelection, length: int) -> torch.Tensor:
     """``[Hkv, t]`` float32: each kept entry's log-weight (0 without correction), ``-inf`` for
     evicted entries (excluded from the softmax)."""
-    heads = torch.repeat_interleave(torch.arange(selection.num_heads), selection.lengths)
-    out = torch.full((selection.num_heads, length), -math.inf)
-    lw = selection.log_weights
-    out[heads, selection.indices] = 0.0 if lw is None else lw.float()
-    return out
+    return selection.dense_log_weights(length)
 
 
 def decode_output(capture: LayerCapture, log_weights: torch.Tensor, position: int) -> torch.Tensor:
@@ -596,8 +408,6 @@ def measure_attention_error(
         The step-1 rows (per ratio: ``topk``, ``topk_proposal``, ``uncorrected``, then
         ``corrected`` per distinct tau), then the ``"1..N"`` rows in the same order.
     """
-    from probkv.hf import prepare_model
-
     ratios, taus, weights = validate_arguments(
         ratios=ratios,
         taus=taus,
@@ -614,10 +424,12 @@ def measure_attention_error(
     n_steps = max(steps, 1)
     if decode.numel() < n_steps:
         raise ValueError(f"decode_ids has {decode.numel()} tokens; steps={steps} needs {n_steps}")
-    prepare_model(model)
+    from probkv import hf  # transformers, imported on use (see the module note)
+
+    hf.prepare_model(model)
     t = context.numel()
     layers = evicting_layers(model)
-    captures = capture_attention(model, torch.cat([context, decode[:n_steps]]))
+    captures = hf.capture_attention(model, torch.cat([context, decode[:n_steps]]))
     captured = [captures[i] for i in layers]
     num_heads = sum(c.query.shape[0] for c in captured)
     estimates = _estimates(proposal, weights, sampler, taus)
@@ -678,12 +490,12 @@ def _compounded_error(
 ) -> tuple[float, float, list[int]]:
     """Teacher-force ``decode`` through the evicted model (real integration); return the
     error averaged over steps, the effective ratio and the kept count of every KV head."""
-    from probkv.hf import compress
+    from probkv import hf  # transformers, imported on use (see the module note)
 
-    cache = compress(model, context, policy)
+    cache = hf.compress(model, context, policy)
     per_step = []
     for n in range(decode.numel()):
-        captures = capture_attention(model, decode[n : n + 1], cache=cache, keep_tensors=False)
+        captures = hf.capture_attention(model, decode[n : n + 1], cache=cache, keep_tensors=False)
         errors = [
             head_errors(ref[:, n], captures[i].output[:, 0])
             for ref, i in zip(reference_outputs, layers)

@@ -7,16 +7,21 @@ registered at import time: ``prepare_model`` registers (idempotently) and switch
 Verified with transformers==5.24.0 (pinned).
 """
 
-from probkv.hf.cache import EvictingLayer, LayerReport, ProbKVCache
+from probkv.hf.cache import EvictingLayer, LayerReport, LayerState, ProbKVCache
+from probkv.hf.capture import AttentionRecorder, LayerCapture, capture_attention
 from probkv.hf.model import SUPPORTED_MODEL_TYPES, check_model_supported, prepare_model
 from probkv.hf.workflow import answer, compress, generate, observe
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
+    "AttentionRecorder",
     "EvictingLayer",
+    "LayerCapture",
     "LayerReport",
+    "LayerState",
     "ProbKVCache",
     "answer",
+    "capture_attention",
     "check_model_supported",
     "compress",
     "generate",

@@ -5,24 +5,26 @@ registered attention function with ``**kwargs``; ``EvictingLayer.update`` puts i
 dict, so this function receives the layer as ``probkv_layer``. Layers that are not evicting
 (Gemma-3's sliding-window layers, or a plain ``DynamicCache``) get transformers' own SDPA path.
 
-For an evicting layer there are three cases:
-- prefill (first forward, not yet observed): the layer's output and the policy's statistics come
-  from the real post-RoPE tensors, in one pass for the all-rows proposals (S2);
-- before eviction otherwise: dense causal attention;
-- after eviction: one softmax over the ragged weighted prefix (logits ``+ log w``, S4) and the
+For an evicting layer, its state (``probkv.hf.cache.LayerState``) decides:
+- ``PREFILL`` (first forward): ``probkv.observation.observe_layer`` computes the output and the
+  policy's statistics from the real post-RoPE tensors (one pass for the all-rows scores, S2);
+  the layer records the observation and evicts right away if the policy is layerwise;
+- ``OBSERVED`` (prefill seen, eviction pending): dense causal attention;
+- ``EVICTED``: one softmax over the ragged weighted prefix (logits ``+ log w``, S4) and the
   dense tail of tokens added since, which carries no weight.
+
+A forward may also carry a recorder as ``probkv_capture`` (``probkv.hf.capture``): it receives
+every layer's real inputs and output, whichever path computed them.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from probkv import attention as kernels
-from probkv import scores as score_fns
-from probkv.policies.base import LayerObservation
+from probkv.hf.cache import EvictingLayer, LayerState
+from probkv.observation import causal_offset_mask, dense_causal_attention, observe_layer
 
 ATTN_IMPLEMENTATION = "probkv"
 
@@ -35,98 +37,51 @@ def probkv_attention_forward(
     attention_mask: torch.Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
-    probkv_layer=None,
+    probkv_layer: EvictingLayer | None = None,
+    probkv_capture=None,
     **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """The ``"probkv"`` attention implementation. Returns ``([B, q, Hq, d_v], None)``."""
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The ``"probkv"`` attention implementation. Returns ``([B, q, Hq, d_v], weights)``."""
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if probkv_layer is None:
-        return sdpa_attention_forward(
+        out, weights = sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    if kwargs.get("softcap") is not None:
-        raise ValueError("probkv does not support attention logit soft-capping (softcap)")
-    layer = probkv_layer
-    layer._awaiting_attention = False
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    q_len = query.shape[2]
-    if layer.is_evicted:
-        out = evicted_attention(layer, query[0], scale)
-    elif layer.report is None and layer.observation is None and layer.tail_length == q_len:
-        out = observe_prefill(layer, query[0], key[0], value[0], scale)
-        if layer.policy.layerwise:
-            from probkv.hf.cache import apply_selection
-
-            (selection,) = layer.policy.select([layer.observation], num_layers=layer.num_evicting)
-            apply_selection(layer, selection, layer.policy)
     else:
-        out = dense_attention(query[0], key[0], value[0], scale)
-    return out.unsqueeze(0).transpose(1, 2).contiguous(), None
-
-
-def observe_prefill(layer, query, key, value, scale: float) -> torch.Tensor:
-    """Prefill of an evicting layer: its attention output, and the policy's log-scores from the
-    same post-RoPE tensors (one chunked pass when the score needs every row, S2)."""
-    policy = layer.policy
-    t = key.shape[1]
-    weighting = score_fns.column_sums_needed(policy.score)
-    column_sums = None
-    if weighting is not None:
-        row_weights = (
-            kernels.uniform_row_weights(t)
-            if weighting == "uniform"
-            else kernels.harmonic_row_weights(t)
+        if kwargs.get("softcap") is not None:
+            raise ValueError("probkv does not support attention logit soft-capping (softcap)")
+        layer_out = layer_attention(probkv_layer, query[0], key[0], value[0], scale)
+        out, weights = layer_out.unsqueeze(0).transpose(1, 2).contiguous(), None
+    if probkv_capture is not None:
+        probkv_capture.record(
+            module.layer_idx, query[0], key[0], value[0], out[0].transpose(0, 1), scale
         )
-        out, sums = kernels.causal_attention_with_column_sums(
-            query, key, value, scale=scale, row_weights=row_weights.unsqueeze(0).to(query.device)
-        )
-        column_sums = sums[0]
-    else:
-        out = dense_attention(query, key, value, scale)
-    scores = score_fns.compute_scores(
-        policy.score, query, key, value, scale=scale, column_sums=column_sums, **policy.score_params
-    )
-    last = kernels.attention_rows(
-        query[:, -1:], key, scale=scale, row_positions=torch.tensor([t - 1], device=query.device)
-    )[:, 0]  # [Hq, t]
-    h = key.shape[0]
-    last_query_attention = last.float().view(h, -1, t).mean(1)
-    layer.observation = LayerObservation(
-        layer_idx=layer.layer_idx,
-        rank=layer.rank,
-        log_scores=scores.log_scores,
-        forced=scores.forced,
-        last_query_attention=last_query_attention,
-    )
-    return out
+    return out, weights
 
 
-def dense_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+def layer_attention(
+    layer: EvictingLayer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """Causal attention of the last ``q`` positions over ``n`` dense entries (no eviction).
-    query ``[Hq, q, d]``, key/value ``[Hkv, n, d]`` -> ``[Hq, q, d_v]``."""
-    q_len, n = query.shape[1], key.shape[1]
-    mask = None
-    is_causal = False
-    if q_len == n:
-        is_causal = q_len > 1
-    elif q_len > 1:
-        mask = _causal_offset_mask(q_len, n, query.device)
-    return F.scaled_dot_product_attention(
-        query.unsqueeze(0),
-        key.unsqueeze(0),
-        value.unsqueeze(0),
-        attn_mask=mask,
-        is_causal=is_causal,
-        scale=scale,
-        enable_gqa=query.shape[0] != key.shape[0],
-    )[0]
-
-
-def _causal_offset_mask(q_len: int, n: int, device) -> torch.Tensor:
-    """Bool ``[q, n]``: query ``i`` (at position ``n - q + i``) sees entries ``j <= n - q + i``."""
-    rows = torch.arange(q_len, device=device).unsqueeze(1) + (n - q_len)
-    return torch.arange(n, device=device).unsqueeze(0) <= rows
+    """An evicting layer's attention in its current state (module docstring): query
+    ``[Hq, q, d]``, the layer's dense tail ``key``/``value [Hkv, n, d]`` -> ``[Hq, q, d_v]``."""
+    layer.attention_done()
+    if layer.state is LayerState.EVICTED:
+        return evicted_attention(layer, query, scale)
+    if layer.state is LayerState.PREFILL:
+        policy = layer.policy
+        out, observation = observe_layer(
+            query,
+            key,
+            value,
+            scale=scale,
+            score=policy.score,
+            score_params=policy.score_params,
+            layer_idx=layer.layer_idx,
+            rank=layer.rank,
+        )
+        layer.observed(observation)
+        return out
+    return dense_causal_attention(query, key, value, scale)
 
 
 def evicted_attention(layer, query: torch.Tensor, scale: float) -> torch.Tensor:
@@ -143,7 +98,7 @@ def evicted_attention(layer, query: torch.Tensor, scale: float) -> torch.Tensor:
     qg = query.reshape(h, g * q_len, d)  # rows of KV head h: its g query heads x q positions
     tail_logits = torch.matmul(qg, tail_k.transpose(1, 2)).float().mul_(scale)  # [H, g*q, T]
     if q_len > 1:
-        causal = _causal_offset_mask(q_len, n_tail, query.device).repeat(g, 1)  # [g*q, T]
+        causal = causal_offset_mask(q_len, n_tail, query.device).repeat(g, 1)  # [g*q, T]
         tail_logits.masked_fill_(~causal, float("-inf"))
     if prefix.uniform_length:
         length = prefix.lengths[0]

@@ -11,14 +11,23 @@ one softmax over prefix (logits ``+ log w``) and tail (no weight), see ``probkv.
 Logical length (positions, RoPE: ``get_seq_length``) and physical length (what is stored, what
 masks must be sized by: ``get_mask_sizes``) are kept apart (S6 pitfall).
 
+An ``EvictingLayer`` moves through explicit states (``LayerState``): ``PREFILL`` (nothing
+observed; its first forward is the prefill) -> ``OBSERVED`` (the policy's observation is held;
+eviction waits for the other layers: global scope, ``probkv.hf.observe``) -> ``EVICTED``.
+Layerwise policies pass through ``OBSERVED`` inside the prefill attention call.
+
 ``ProbKVCache`` is the ``Cache``: one ``EvictingLayer`` per global-attention layer and
 transformers' own sliding-window layers elsewhere (Gemma-3's local layers are not evicted). It
-runs the policy once every evicting layer has been observed during prefill.
+runs the policy once every evicting layer has been observed during prefill. Every eviction goes
+through ``evict_layers``: the policy's one selection entry point
+(``probkv.policies.select_layers``), then ``apply_selection`` per layer.
 """
 
 from __future__ import annotations
 
 import copy
+import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -29,7 +38,14 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 
-from probkv.policies.base import EvictionPolicy, LayerObservation, validate_common
+from probkv.budgets import retained_attention_mass
+from probkv.estimator import compose_log_weights, kish_effective_sample_size
+from probkv.policies.base import (
+    EvictionPolicy,
+    LayerObservation,
+    select_layers,
+    validate_common,
+)
 from probkv.selection import RaggedSelection
 
 # Tail buffers grow by this many slots at least (amortised O(1) appends during decoding,
@@ -37,6 +53,14 @@ from probkv.selection import RaggedSelection
 _TAIL_GROWTH = 16
 
 KWARGS_CHANNEL_KEY = "probkv_layer"
+
+
+class LayerState(enum.Enum):
+    """Where an ``EvictingLayer`` is in its life (module docstring)."""
+
+    PREFILL = "prefill"  # nothing observed: the next forward is the prefill
+    OBSERVED = "observed"  # prefill observed (``observation`` set), eviction pending
+    EVICTED = "evicted"  # a ragged weighted prefix (``prefix``) and a dense tail
 
 
 @dataclass
@@ -113,9 +137,10 @@ class EvictingLayer(CacheLayerMixin):
         self._tail_keys: torch.Tensor | None = None  # [1, Hkv, capacity, d]
         self._tail_values: torch.Tensor | None = None
         self.tail_length = 0
-        self.observation: LayerObservation | None = None
-        self.report: LayerReport | None = None
-        self._awaiting_attention = False
+        self.state = LayerState.PREFILL
+        self.observation: LayerObservation | None = None  # held in state OBSERVED only
+        self.report: LayerReport | None = None  # set by every eviction
+        self._awaiting_attention = False  # update() ran, probkv's attention not yet
 
     # ----------------------------------------------------------------- protocol
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -240,7 +265,23 @@ class EvictingLayer(CacheLayerMixin):
     # ----------------------------------------------------------------- eviction
     @property
     def is_evicted(self) -> bool:
-        return self.prefix is not None
+        return self.state is LayerState.EVICTED
+
+    def attention_done(self) -> None:
+        """probkv's attention function ran after ``update`` (checked at the next update)."""
+        self._awaiting_attention = False
+
+    def observed(self, observation: LayerObservation) -> None:
+        """Record the prefill's observation (``PREFILL`` -> ``OBSERVED``) and evict right away
+        when the policy decides each layer on its own (the full cache never exists at once)."""
+        if self.state is not LayerState.PREFILL:
+            raise RuntimeError(
+                f"layer {self.layer_idx} was observed twice (state {self.state.name})"
+            )
+        self.observation = observation
+        self.state = LayerState.OBSERVED
+        if self.policy.layerwise:
+            evict_layers(self.policy, [self], num_layers=self.num_evicting)
 
     def evict(self, selection: RaggedSelection) -> None:
         """Keep ``selection`` of the entries this layer holds now, compose log-weights (S4).
@@ -268,12 +309,10 @@ class EvictingLayer(CacheLayerMixin):
             idx = idx.to(self.device)
             keys.append(k_h.index_select(0, idx))
             values.append(v_h.index_select(0, idx))
-            combined = None
-            if lw_h is not None:
-                combined = lw_h.index_select(0, idx)
+            combined = None if lw_h is None else lw_h.index_select(0, idx)
             if new_lw is not None:
                 new_lw = new_lw.to(device=self.device, dtype=torch.float32)
-                combined = new_lw if combined is None else combined + new_lw  # S4 composition
+                combined = new_lw if combined is None else compose_log_weights(combined, new_lw)
             logw.append(combined)
         has_weights = any(w is not None for w in logw)
         log_weights = None
@@ -297,6 +336,8 @@ class EvictingLayer(CacheLayerMixin):
         self._tail_keys = self._tail_keys[:, :, :0].clone()
         self._tail_values = self._tail_values[:, :, :0].clone()
         self.tail_length = 0
+        self.observation = None
+        self.state = LayerState.EVICTED
 
     def _current_entries(self, h: int):
         """Head ``h``'s entries in selection order: prefix first, then the tail."""
@@ -367,6 +408,9 @@ class ProbKVCache(Cache):
             i for i, layer in enumerate(layers) if isinstance(layer, EvictingLayer)
         ]
         self.num_evictions = 0
+        # ``[1, t]`` the token ids the cache holds, set by ``probkv.hf.compress`` / ``observe``
+        # so that ``generate`` can continue with true positions; ``None`` until then.
+        self.token_ids: torch.Tensor | None = None
 
     # ---------------------------------------------------------------- protocol
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -383,10 +427,7 @@ class ProbKVCache(Cache):
     @property
     def eviction_pending(self) -> bool:
         """Every evicting layer observed its prefill and waits for the policy (global scope)."""
-        layers = [self.layers[i] for i in self.evicting_layers]
-        return all(layer.observation is not None for layer in layers) and not all(
-            layer.is_evicted for layer in layers
-        )
+        return all(self.layers[i].state is LayerState.OBSERVED for i in self.evicting_layers)
 
     def evict(self, policy: EvictionPolicy | None = None) -> None:
         """Run the policy on every observed layer and evict them.
@@ -401,23 +442,12 @@ class ProbKVCache(Cache):
             for i in self.evicting_layers:
                 self.layers[i].policy = policy
         layers = [self.layers[i] for i in self.evicting_layers]
-        missing = [layer.layer_idx for layer in layers if layer.observation is None]
+        missing = [layer.layer_idx for layer in layers if layer.state is not LayerState.OBSERVED]
         if missing:
             raise ValueError(
                 f"cannot evict before prefill: layers {missing} have not been observed"
             )
-        todo = [layer for layer in layers if not layer.is_evicted]
-        num_layers = len(self.evicting_layers)
-        if self.policy.layerwise:
-            for layer in todo:
-                (selection,) = self.policy.select([layer.observation], num_layers=num_layers)
-                apply_selection(layer, selection, self.policy)
-        else:
-            selections = self.policy.select(
-                [layer.observation for layer in todo], num_layers=num_layers
-            )
-            for layer, selection in zip(todo, selections):
-                apply_selection(layer, selection, self.policy)
+        evict_layers(self.policy, layers, num_layers=len(self.evicting_layers))
         self.num_evictions += 1
 
     def rewind(self) -> None:
@@ -460,29 +490,38 @@ class ProbKVCache(Cache):
         return sum(r.effective_ratio for r in reports) / len(reports)
 
 
+def evict_layers(
+    policy: EvictionPolicy, layers: Sequence[EvictingLayer], *, num_layers: int
+) -> None:
+    """Evict observed ``layers`` with ``policy``: its selections (``select_layers``, the one
+    entry point the attention-error experiment uses too), applied layer by layer."""
+    selections = select_layers(
+        policy, [layer.observation for layer in layers], num_layers=num_layers
+    )
+    for layer, selection in zip(layers, selections, strict=True):
+        apply_selection(layer, selection, policy)
+
+
 def apply_selection(
     layer: EvictingLayer, selection: RaggedSelection, policy: EvictionPolicy
 ) -> None:
-    """Evict ``layer`` to ``selection`` and record its diagnostics (S3, S6, S4)."""
+    """Evict ``layer`` to ``selection`` and record its diagnostics (S3 effective ratio, S6
+    retained attention mass, S4 Kish effective sample size of the new weights)."""
     obs = layer.observation
     t = layer.get_seq_length()
     layer.evict(selection)
     kept = [int(n) for n in selection.lengths]
-    mass = []
-    ess = [] if selection.log_weights is not None else None
-    for h in range(selection.num_heads):
-        idx, lw = selection.head(h)
-        mass.append(float(obs.last_query_attention[h, idx].sum()))
-        if ess is not None:
-            w = torch.exp(lw.double() - lw.double().max())
-            ess.append(float(w.sum() ** 2 / (w * w).sum()) if w.numel() else 0.0)
+    mass = retained_attention_mass(obs.last_query_attention, selection)
+    ess = None
+    if selection.log_weights is not None:
+        dense = selection.dense_log_weights(t, evicted=0.0)
+        ess = kish_effective_sample_size(dense, selection.to_mask(t)).tolist()
     layer.report = LayerReport(
         layer_idx=layer.layer_idx,
         prefix_length=t,
         kept_per_head=kept,
         target_ratio=policy.ratio,
         effective_ratio_per_head=[1.0 - k / t for k in kept],
-        retained_attention_mass=mass,
+        retained_attention_mass=mass.tolist(),
         effective_sample_size=ess,
     )
-    layer.observation = None

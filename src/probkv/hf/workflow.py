@@ -16,7 +16,8 @@ from probkv.hf.model import is_prepared
 from probkv.policies.base import EvictionPolicy
 
 
-def _as_ids(ids: torch.Tensor) -> torch.Tensor:
+def as_token_ids(ids: torch.Tensor) -> torch.Tensor:
+    """``[1, t]`` token ids from ``[t]`` or ``[1, t]`` (batch size 1, ``t >= 1``)."""
     if ids.ndim == 1:
         ids = ids.unsqueeze(0)
     if ids.ndim != 2 or ids.shape[0] != 1:
@@ -44,7 +45,7 @@ def compress(model, context_ids: torch.Tensor, policy: EvictionPolicy) -> ProbKV
     generation can continue from it with true positions.
     """
     _check_prepared(model)
-    ids = _as_ids(context_ids).to(model.device)
+    ids = as_token_ids(context_ids).to(model.device)
     cache = ProbKVCache(model.config, policy)
     model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)  # no [t, vocab] logits
     if cache.eviction_pending:
@@ -62,7 +63,7 @@ def observe(
     same score and parameters (e.g. several ratios, samplers or weights) to pay one prefill
     for all of them. Each copy evicts exactly as ``compress`` with that policy would."""
     _check_prepared(model)
-    ids = _as_ids(context_ids).to(model.device)
+    ids = as_token_ids(context_ids).to(model.device)
     cache = ProbKVCache(
         model.config, ObserveOnly(score=score, ratio=0.0, score_params=dict(score_params or {}))
     )
@@ -79,8 +80,8 @@ def generate(
     greedy by default. Returns the generated token ids only, ``[n]``. The cache grows by the
     new tokens (see ``answer`` for several questions from one context)."""
     _check_prepared(model)
-    new = _as_ids(input_ids).to(model.device)
-    prefix = getattr(cache, "token_ids", None)
+    new = as_token_ids(input_ids).to(model.device)
+    prefix = cache.token_ids
     if prefix is None or prefix.shape[1] != cache.get_seq_length():
         raise ValueError(
             "the cache does not know the token ids it holds (build it with probkv.hf.compress, "

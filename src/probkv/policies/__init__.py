@@ -1,6 +1,11 @@
 """Eviction methods as small declarative objects, and the registry of their names."""
 
-from probkv.policies.base import DEFAULT_SCORE_PARAMS, EvictionPolicy, LayerObservation
+from probkv.policies.base import (
+    DEFAULT_SCORE_PARAMS,
+    EvictionPolicy,
+    LayerObservation,
+    select_layers,
+)
 from probkv.policies.probabilistic import ProbabilisticPolicy
 from probkv.policies.registry import (
     FullCache,
@@ -22,4 +27,5 @@ __all__ = [
     "method_names",
     "method_options",
     "parse_method",
+    "select_layers",
 ]

@@ -6,9 +6,9 @@ post-RoPE queries, keys and values; see ``probkv.scores``) and hands the policy 
 ``LayerObservation`` per layer. ``select`` returns one ``RaggedSelection`` per observation:
 which entries each KV head keeps and their log-weights (``None`` = no correction).
 
-Every policy completes its ``score_params`` at construction with ``DEFAULT_SCORE_PARAMS``, so
-two policies that compute the same thing compare equal and have one canonical name
-(``probkv.policies.registry``).
+Every policy completes its ``score_params`` at construction with the score table's defaults
+(``DEFAULT_SCORE_PARAMS``, ``probkv.scores.default_params``), so two policies that compute the
+same thing compare equal and have one canonical name (``probkv.policies.registry``).
 """
 
 from __future__ import annotations
@@ -21,37 +21,17 @@ from dataclasses import dataclass, field
 
 import torch
 
+from probkv import scores
 from probkv._checks import check_choice, check_ratio
+from probkv.observation import LayerObservation
 from probkv.selection import RaggedSelection
 
-# The score parameters a policy uses unless told otherwise: the defaults of the score functions
-# in probkv.scores (S6: SnapKV window 32, max-pooling, kernel 7; S5: 4 sinks), except SnapKV's
-# GQA combination. The methods follow SnapKV's GQA form in kvpress and Ada-KV's reference code
-# (raw group mean, which keeps each KV head's attention mass for Ada-KV's comparison across
-# heads) where the maths layer's default is S2's group mixture. See docs/methods.md.
+# The score parameters a policy uses unless told otherwise: the score table's defaults (S6 SnapKV
+# window 32, max-pooling, kernel 7, raw group mean over GQA heads; S5 4 sinks); see
+# probkv.scores.SCORE_TABLE and docs/methods.md.
 DEFAULT_SCORE_PARAMS: dict[str, dict[str, object]] = {
-    "snapkv": {"window": 32, "kernel": 7, "pooling": "max", "gqa": "mean"},
-    "streaming_llm": {"sinks": 4},
+    name: defaults for name in scores.SCORE_NAMES if (defaults := scores.default_params(name))
 }
-
-
-@dataclass(frozen=True)
-class LayerObservation:
-    """What the prefill of one evicting layer showed the policy."""
-
-    layer_idx: int  # index in the model
-    rank: int  # position among the evicting layers (0 = lowest), for layer budgets (PyramidKV)
-    log_scores: torch.Tensor  # [Hkv, t] float32 (probkv.scores)
-    forced: torch.Tensor | None  # [Hkv, t] bool: always kept, counted in the budget (SnapKV window)
-    last_query_attention: torch.Tensor  # [Hkv, t] group-averaged p_t, for diagnostics (S6)
-
-    @property
-    def num_heads(self) -> int:
-        return self.log_scores.shape[0]
-
-    @property
-    def length(self) -> int:
-        return self.log_scores.shape[1]
 
 
 @dataclass(frozen=True)
@@ -71,14 +51,28 @@ class EvictionPolicy(ABC):
     def layerwise(self) -> bool:
         """True when each layer's selection depends on that layer alone, so a layer can be
         evicted right after its prefill attention (lower peak memory). False for the global
-        budget scope (S3), which needs every layer's proposal first."""
-        return True
+        budget scope (S3), which needs every layer's proposal first, and for scores read from
+        a reconstruction pass, which runs after every layer's prefill."""
+        return not scores.needs_reconstruction(self.score)
 
     @abstractmethod
     def select(
         self, observations: Sequence[LayerObservation], *, num_layers: int
     ) -> list[RaggedSelection]:
         """One selection per observation. ``num_layers`` is the number of evicting layers."""
+
+
+def select_layers(
+    policy: EvictionPolicy, observations: Sequence[LayerObservation], *, num_layers: int
+) -> list[RaggedSelection]:
+    """What ``policy`` keeps of these observed layers: the one entry point every eviction
+    goes through (the integration at prefill and in ``ProbKVCache.evict``, the attention-error
+    experiment). A ``layerwise`` policy selects one layer at a time, as during prefill (same
+    random draws whether the layers come one by one or together); any other sees them all at
+    once (S3 global scope). ``num_layers``: the number of evicting layers of the model."""
+    if policy.layerwise:
+        return [policy.select([obs], num_layers=num_layers)[0] for obs in observations]
+    return policy.select(list(observations), num_layers=num_layers)
 
 
 def keep_everything(obs: LayerObservation) -> RaggedSelection:
@@ -91,16 +85,14 @@ def keep_everything(obs: LayerObservation) -> RaggedSelection:
 
 def validate_common(policy: EvictionPolicy) -> None:
     """Checks every policy runs at construction, so bad input fails before any work (S1, S2),
-    and completes ``score_params`` with ``DEFAULT_SCORE_PARAMS`` (frozen dataclass: set once)."""
-    from probkv import scores
-
+    and completes ``score_params`` with the score table's defaults (frozen dataclass: set once)."""
     object.__setattr__(policy, "ratio", check_ratio(policy.ratio))
-    check_choice(policy.score, scores.SCORE_NAMES, "score")
+    check_choice(policy.score, scores.SCORE_TABLE, "score")
     if not isinstance(policy.score_params, dict):
         raise ValueError(
             f"score_params must be a dict of the score's parameters, got {policy.score_params!r}"
         )
-    params = {**DEFAULT_SCORE_PARAMS.get(policy.score, {}), **policy.score_params}
+    params = {**scores.default_params(policy.score), **policy.score_params}
     scores.validate_params(policy.score, params)
     object.__setattr__(policy, "score_params", params)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from probkv import budgets, estimator, proposals, sampling
+from probkv import budgets, estimator, proposals, sample_size, sampling
 from probkv._checks import check_choice, check_tau
 from probkv.policies.base import (
     EvictionPolicy,
@@ -97,7 +97,7 @@ class ProbabilisticPolicy(EvictionPolicy):
 
     @property
     def layerwise(self) -> bool:
-        return self.scope == "head" or self.ratio == 0.0
+        return super().layerwise and (self.scope == "head" or self.ratio == 0.0)
 
     @property
     def corrected(self) -> bool:
@@ -153,22 +153,22 @@ class ProbabilisticPolicy(EvictionPolicy):
     def _draw_with_replacement(self, pis, forced, head_budgets, generator):
         """S3: m draws per head (or one m for all, global scope); keep the drawn entries."""
         if self.scope == "global":
-            m = sampling.samples_for_ratio(pis, self.ratio, scope="global", always_kept=forced)
-            ms = [torch.full((pi.shape[0],), int(m), dtype=torch.int64) for pi in pis]
+            m = sample_size.samples_for_ratio_global(pis, self.ratio, always_kept=forced)
+            ms = [torch.full((pi.shape[0],), m, dtype=torch.int64) for pi in pis]
         else:
             ms = [
-                sampling.samples_for_ratio(pi, self.ratio, scope="head", always_kept=f)
+                sample_size.samples_for_ratio(pi, self.ratio, always_kept=f)
                 for pi, f in zip(pis, forced)
             ]
         out = []
         for pi, m in zip(pis, ms):
             counts = sampling.sample_counts(pi, m, generator)
             kept = counts > 0
-            logw = None
-            if self.corrected:
-                logw = estimator.log_weights(
-                    pi, kept, weights=self.weights, counts=counts, num_samples=m, tau=self.tau
-                )
+            logw = None  # S4 Eq. 10 (counts) or S9 Horvitz-Thompson (inclusion) weights
+            if self.corrected and self.weights == "counts":
+                logw = estimator.counts_log_weights(pi, kept, counts, num_samples=m, tau=self.tau)
+            elif self.corrected:
+                logw = estimator.inclusion_log_weights(pi, kept, m, counts=counts, tau=self.tau)
             out.append((kept, logw))
         return out
 
@@ -188,7 +188,7 @@ class ProbabilisticPolicy(EvictionPolicy):
             kept = sampling.systematic_sample(p, generator)
             logw = None
             if self.corrected:
-                logw = estimator.log_weights(pi, kept, weights="pps", inclusion=p, tau=self.tau)
+                logw = estimator.pps_log_weights(pi, kept, p, tau=self.tau)
             out.append((kept, logw))
         return out
 

@@ -5,7 +5,7 @@ Grammar (docs/methods.md lists every name, option and default)::
     METHOD      := NAME ( "/" KEY "=" VALUE )*
     NAME        := full | streaming_llm | h2o | snapkv | tova | knorm | pyramidkv
                  | ada_snapkv | ada_pyramidkv | topk:SCORE | prob:SCORE
-    SCORE       := a name in probkv.scores.SCORE_NAMES (h2o, h2o-h, min, min-h, snapkv, ...)
+    SCORE       := a row of probkv.scores.SCORE_TABLE (h2o, h2o-h, min, min-h, snapkv, ...)
 
 Options (``KEY=VALUE``) are the policy's fields (``tau``, ``scope``, ``sampler``, ``weights``,
 ``correct``, ``seed``, ``proposal_tau``, ``uniform_mix``, ``recent``, ``alpha``, ``beta``, ...)
@@ -27,6 +27,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from probkv import scores
 from probkv._checks import check_ratio
 from probkv.policies.base import EvictionPolicy, LayerObservation, keep_everything
 from probkv.policies.probabilistic import ProbabilisticPolicy
@@ -64,16 +65,12 @@ NAMED_METHODS: dict[str, tuple[type[EvictionPolicy], dict]] = {
 }
 FAMILIES: dict[str, type[EvictionPolicy]] = {"topk": TopKPolicy, "prob": ProbabilisticPolicy}
 
-# Score parameters that take tensors (GQA weights): Python API only, not method names.
-_TENSOR_PARAMS = ("alpha",)
-
 
 def method_names() -> list[str]:
-    """Every base name: the named methods, then ``topk:<score>`` and ``prob:<score>``."""
-    from probkv.scores import SCORE_NAMES
-
+    """Every base name: the named methods, then ``topk:<score>`` and ``prob:<score>`` for
+    every score of ``probkv.scores.SCORE_TABLE``."""
     names = list(NAMED_METHODS)
-    names += [f"topk:{s}" for s in SCORE_NAMES] + [f"prob:{s}" for s in SCORE_NAMES]
+    names += [f"topk:{s}" for s in scores.SCORE_TABLE] + [f"prob:{s}" for s in scores.SCORE_TABLE]
     return names
 
 
@@ -89,9 +86,9 @@ def _fields(cls: type[EvictionPolicy], fixed: dict) -> set[str]:
 
 
 def _param_names(score: str) -> tuple[str, ...]:
-    from probkv.scores import score_param_names
-
-    return tuple(p for p in score_param_names(score) if p not in _TENSOR_PARAMS)
+    """The score's parameters a method name may set: all but tensors (Python API only)."""
+    tensors = scores.tensor_param_names(score)
+    return tuple(p for p in scores.score_param_names(score) if p not in tensors)
 
 
 def _parse_value(text: str):
@@ -111,22 +108,20 @@ def _parse_value(text: str):
 
 
 def _base(name: str) -> tuple[type[EvictionPolicy], dict]:
-    from probkv.scores import SCORE_NAMES
-
+    names = tuple(scores.SCORE_TABLE)
     if name in NAMED_METHODS:
         cls, fixed = NAMED_METHODS[name]
         return cls, dict(fixed)
     family, sep, score = name.partition(":")
     if sep and family in FAMILIES:
-        if score not in SCORE_NAMES:
+        if score not in names:
             raise ValueError(
-                f"unknown score {score!r} in method {name!r}; valid scores: "
-                f"{', '.join(SCORE_NAMES)}"
+                f"unknown score {score!r} in method {name!r}; valid scores: {', '.join(names)}"
             )
         return FAMILIES[family], {"score": score}
     raise ValueError(
         f"unknown method {name!r}; valid methods: {', '.join(NAMED_METHODS)}, "
-        f"topk:<score>, prob:<score> (scores: {', '.join(SCORE_NAMES)})"
+        f"topk:<score>, prob:<score> (scores: {', '.join(names)})"
     )
 
 
@@ -192,8 +187,9 @@ def method_name(policy: EvictionPolicy) -> str:
         value = getattr(policy, f.name)
         if value != getattr(defaults, f.name):
             options[f.name] = value
+    tensors = scores.tensor_param_names(policy.score)
     for key, value in policy.score_params.items():
-        if key in _TENSOR_PARAMS:
+        if key in tensors:
             raise ValueError(
                 f"a policy with the tensor score parameter {key!r} has no method name "
                 "(tensor parameters are for the Python API only)"

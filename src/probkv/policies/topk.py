@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from probkv import budgets
+from probkv import budgets, scores
 from probkv._checks import check_choice
 from probkv.policies.base import (
     EvictionPolicy,
@@ -29,11 +29,6 @@ from probkv.selection import RaggedSelection
 
 LAYER_BUDGETS = ("uniform", "pyramid")
 HEAD_BUDGETS = ("uniform", "ada")
-
-# Scores that are logs of attention probabilities (S2): Ada-KV compares them across the heads
-# of a layer as they are, like its reference code compares raw attention. The others (key
-# norms, synthetic recency, uniform) are first made distributions per head (softmax, S2).
-_ATTENTION_SCALE_SCORES = ("h2o", "h2o-h", "min", "min-h", "snapkv", "tova")
 
 
 @dataclass(frozen=True)
@@ -102,7 +97,10 @@ class TopKPolicy(EvictionPolicy):
                     per_head * h,
                     alpha=self.alpha,
                     forced=forced,
-                    normalize=self.score not in _ATTENTION_SCALE_SCORES,
+                    # Logs of attention probabilities (S2) are compared across heads as they
+                    # are, like Ada-KV's reference code compares raw attention; the others (key
+                    # norms, synthetic recency, uniform) are made distributions per head first.
+                    normalize=not scores.on_attention_scale(self.score),
                 )
             else:
                 head_budgets = uniform
