@@ -273,14 +273,16 @@ def test_block_design_exact_inclusion_property(t, block, zeros, kept_fraction, s
     assert kept_prob == [Fraction(p) for p in P]
 
 
-@pytest.mark.parametrize(("block", "order"), [(3, "random"), (4, "position"), (1, "random")])
+@pytest.mark.parametrize(
+    ("block", "order"), [(3, "random"), (4, "random"), (4, "position"), (1, "random")]
+)
 def test_block_design_unbiased_monte_carlo(block, order):
     """Seeded Monte Carlo over N independent rows: the Horvitz-Thompson total
     sum_{i kept} f_i / P_i has mean sum_i f_i within Z of its own standard error (sample
     standard deviation / sqrt N); each entry's keep frequency is within Z binomial standard
     errors of P_i; whole blocks are kept or dropped together."""
-    t, n, N = 23, 9, 20000
-    pi = proposal(1, t, seed=11, spread=1.5, zeros_at_end=[2])
+    t, n, N = 24, 9, 20000  # 22 entries in the design: blocks of 3 and 4 end short
+    pi = proposal(1, t, seed=11, spread=1.0, zeros_at_end=[2])
     f = torch.rand(t, generator=gen(12), dtype=F64) * 3
     design = block_design(pi.expand(N, t), n, block)
     kept = sample_design(design, order, gen(13))
@@ -317,6 +319,29 @@ def test_visit_order_position_draws_nothing_random_is_a_permutation_short_last()
     firsts = torch.stack([visit_order(sizes, "random", g)[2, 0] for _ in range(3000)])
     counts = torch.bincount(firsts, minlength=6).double()  # uniform: 1/6 each
     assert ((counts / 3000 - 1 / 6).abs() <= Z * math.sqrt(1 / 6 * 5 / 6 / 3000)).all()
+
+
+def test_short_block_visited_in_the_middle_would_break_the_bound():
+    """Why ``visit_order`` puts the short block last: blocks of sizes 4, 1, 4 with
+    P = 5/16, 1/2, 5/16 (expected 3 entries) visited short-in-the-middle keep both full blocks
+    (8 entries, off by 5 >= 4) when u < 1/8; visited short-last, at most 5 (off by 2 < 4)."""
+    P = torch.tensor([[5 / 16, 1 / 2, 5 / 16]], dtype=F64)
+    sizes = [4, 1, 4]
+    for visit, worst in (([0, 1, 2], 8), ([0, 2, 1], 5)):
+        kept_sizes = [
+            sum(
+                s
+                for s, k in zip(
+                    sizes,
+                    systematic_sample_ordered(
+                        P, torch.tensor([visit]), torch.tensor([u], dtype=F64)
+                    )[0].tolist(),
+                )
+                if k
+            )
+            for u in (i / 64 + 1 / 128 for i in range(64))
+        ]
+        assert max(kept_sizes) == worst
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -76,16 +76,24 @@ def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
     return x
 
 
-def _mass(pi: torch.Tensor, name: str) -> torch.Tensor:
-    """float64 rows of non-negative finite masses ``[R, t]``, each divided by its sum (zero rows
-    stay zero). The design only depends on ratios; the division is ``sampling``'s, so that
-    ``block = 1`` reproduces its pps bit for bit."""
+def _mass(pi: torch.Tensor, outside: torch.Tensor | None, name: str) -> torch.Tensor:
+    """float64 rows ``[R, t]`` of a proposal, each divided by its sum (zero rows stay zero), then
+    zero where ``outside`` (bool ``[R, t]``, e.g. the core) is set. The division is
+    ``sampling``'s, so that ``block = 1`` reproduces its pps bit for bit; zeroing after it keeps
+    the rows' common scale, which the global scope's one ``lam`` compares across heads."""
     _rows(pi, name)
     if not torch.is_floating_point(pi) or not torch.isfinite(pi).all() or (pi < 0).any():
         raise ValueError(f"{name} must be finite and >= 0 (a proposal), got dtype {pi.dtype}")
     p = pi.to(torch.float64)
     total = p.sum(-1, keepdim=True)
-    return p / torch.where(total > 0, total, 1.0)
+    p = p / torch.where(total > 0, total, 1.0)
+    if outside is None:
+        return p
+    if not isinstance(outside, torch.Tensor) or outside.dtype != torch.bool:
+        raise ValueError(f"outside must be a bool tensor of shape {tuple(pi.shape)}")
+    if outside.shape != pi.shape:
+        raise ValueError(f"outside {tuple(outside.shape)} must match {name} {tuple(pi.shape)}")
+    return p.masked_fill(outside, 0.0)
 
 
 def check_block(block: int, name: str = "block") -> int:
@@ -257,20 +265,30 @@ def _units(p: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, tor
     return units, sizes, masses
 
 
-def block_design(pi: torch.Tensor, n: float | torch.Tensor, block: int = 1) -> UnitDesign:
-    """Block pps per row (S10.3): units of ``block`` consecutive entries with ``pi > 0``,
-    ``P_k = min(1, lam M_k)`` with ``sum_k |B_k| P_k = n`` (expected entries kept).
+def block_design(
+    pi: torch.Tensor,
+    n: float | torch.Tensor,
+    block: int = 1,
+    *,
+    outside: torch.Tensor | None = None,
+) -> UnitDesign:
+    """Block pps per row (S10.3): units of ``block`` consecutive entries with ``pi > 0`` not
+    ``outside``, ``P_k = min(1, lam M_k)`` with ``sum_k |B_k| P_k = n`` (expected entries kept).
 
     ``block = 1`` is S9's pps over the entries (``sampling.pps_inclusion_probabilities`` with
-    budget ``n`` plus the always-kept entries, bit for bit). Entries with ``pi = 0`` are outside
-    the design. If ``n`` reaches a row's eligible entries, all its units get ``P = 1``.
+    budget ``n`` plus the always-kept entries, bit for bit). With ``outside`` (S10.2's core)
+    this is pps of the proposal restricted to the other entries (per row, renormalising would
+    change nothing: ``lam`` absorbs the scale). If ``n`` reaches a row's eligible entries, all
+    its units get ``P = 1``.
 
     Args:
-        pi: ``[R, t]`` non-negative proposal (need not be normalised), zero outside the design.
+        pi: ``[R, t]`` non-negative proposal (need not be normalised), zero at always-kept
+            entries.
         n: expected entries to keep per row: a number or a tensor ``[R]``, ``>= 0``.
         block: entries per unit, ``>= 1``.
+        outside: optional bool ``[R, t]``: more entries left out of the design (the core).
     """
-    p = _mass(pi, "pi")
+    p = _mass(pi, outside, "pi")
     units, sizes, masses = _units(p, block)
     num, den = capped_scale(masses, sizes, _per_row(n, p.shape[0], "n", p.device))
     return UnitDesign(units, _capped(masses, num, den), sizes)
@@ -289,14 +307,25 @@ def global_budget(
     return max(budget - forced, 0.0)
 
 
-def block_design_global(pis: Sequence[torch.Tensor], n: float, block: int = 1) -> list[UnitDesign]:
+def block_design_global(
+    pis: Sequence[torch.Tensor],
+    n: float,
+    block: int = 1,
+    *,
+    outside: Sequence[torch.Tensor] | None = None,
+) -> list[UnitDesign]:
     """``block_design`` with one ``lam`` for every row of every tensor (scope "global", S9):
     ``sum`` over all heads of ``sum_k |B_k| P_k`` is ``n``. With ``block = 1`` this is
     ``sampling.pps_inclusion_probabilities_global`` bit for bit (``n`` from ``global_budget``).
+    Each row is normalised before ``outside`` (one mask per tensor) zeroes entries, so ``lam``
+    compares the heads' proposals as they are: ``P = min(1, lam pi)`` on the remaining entries.
     A head's own expected size is then real, and its kept count random (``sample_design``)."""
     if not isinstance(pis, (list, tuple)) or len(pis) == 0:
         raise ValueError("pis must be a non-empty list of tensors [rows, t]")
-    parts = [_units(_mass(p, f"pis[{i}]"), block) for i, p in enumerate(pis)]
+    masks = [None] * len(pis) if outside is None else list(outside)
+    if len(masks) != len(pis):
+        raise ValueError(f"outside must hold one mask per tensor ({len(pis)}), got {len(masks)}")
+    parts = [_units(_mass(p, o, f"pis[{i}]"), block) for i, (p, o) in enumerate(zip(pis, masks))]
     flat_mass = torch.cat([m.reshape(1, -1) for _, _, m in parts], -1)
     flat_sizes = torch.cat([s.reshape(1, -1) for _, s, _ in parts], -1)
     num, den = capped_scale(flat_mass, flat_sizes, _per_row(n, 1, "n", flat_mass.device))
