@@ -12,6 +12,7 @@ MATHS = [
     "probkv.scores",
     "probkv.proposals",
     "probkv.sampling",
+    "probkv.designs",
     "probkv.estimator",
     "probkv.budgets",
     "probkv.hardness",
