@@ -535,7 +535,7 @@ def reference_capping(p: torch.Tensor, n: float) -> torch.Tensor:
     t=st.integers(1, 50),
     heads=st.integers(1, 3),
     spread=st.sampled_from([0.3, 2.0, 8.0]),
-    ratio=st.floats(0.01, 0.9999),
+    ratio=st.floats(0.0, 0.9999, exclude_min=True),
     core=st.sampled_from([0.0, 0.3, 0.5, 1.0]),
     block=st.integers(1, 9),
     order=st.sampled_from(["position", "random"]),
@@ -580,6 +580,65 @@ def test_span_designs_property(
         core_set = reference_core(scores[h], forced, floor_fraction(core, sampled))
         take_all = core_set | set(forced.nonzero().flatten().tolist())
         assert all(w == 0 for i, w in zip(idx.tolist(), logw.tolist()) if i in take_all)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=3),
+    heads=st.integers(1, 3),
+    ratio=st.floats(0.0, 0.9999, exclude_min=True),
+    core=st.sampled_from([0.0, 0.5, 1.0]),
+    block=st.integers(1, 6),
+    order=st.sampled_from(["position", "random"]),
+    window=st.integers(0, 6),
+    seed=st.integers(0, 10**6),
+)
+def test_span_designs_global_property(lengths, heads, ratio, core, block, order, window, seed):
+    """scope=global: forced entries and the global core (the floor(f S) entries of largest
+    proposal over all heads, S the sampled budget) are kept with log-weight 0; log-weights
+    are finite and >= 0; every head keeps within block of its expected count, so the total over
+    the sampled heads is within (heads) x block of their global budget (a head whose entries
+    are all forced is left out of the sampling); the same seed gives the same selections."""
+    policy = ProbabilisticPolicy(
+        score="h2o", scope="global", ratio=ratio, core=core, block=block, order=order, seed=seed
+    )
+    obs = [
+        synthetic(2 * torch.randn(heads, t, generator=gen(seed + i)), min(window, t), i)
+        for i, t in enumerate(lengths)
+    ]
+    sels = policy.select(obs, num_layers=len(obs))
+    again = policy.select(obs, num_layers=len(obs))
+    assert all(torch.equal(a.indices, b.indices) for a, b in zip(sels, again))
+    fitted = [policy._with_forced(o) for o in obs]
+    pis = [policy.proposal(o).double() for o in fitted]
+    live = [p.sum(-1) > 0 for p in pis]
+    forced_total = sum(
+        int(o.forced[lv].sum()) for o, lv in zip(fitted, live) if o.forced is not None
+    )
+    target = sum((1 - ratio) * t * int(lv.sum()) for t, lv in zip(lengths, live))
+    flat = torch.cat([p.flatten() for p in pis])
+    count = floor_fraction(core, max(target - forced_total, 0.0))
+    ranked = sorted(
+        (i for i in range(flat.numel()) if flat[i] > 0), key=lambda i: (-float(flat[i]), -i)
+    )
+    core_flat = set(ranked[:count])
+    kept_total, offset = 0, 0
+    for sel, o, t in zip(sels, fitted, lengths):
+        for h in range(heads):
+            idx, logw = sel.head(h)
+            forced = set() if o.forced is None else set(o.forced[h].nonzero().flatten().tolist())
+            assert forced <= set(idx.tolist())
+            assert torch.isfinite(logw).all() and (logw >= 0).all()
+            take_all = forced | {
+                i - offset - h * t for i in core_flat if 0 <= i - offset - h * t < t
+            }
+            assert take_all <= set(idx.tolist())
+            assert all(w == 0 for i, w in zip(idx.tolist(), logw.tolist()) if i in take_all)
+            if len(forced) < t:  # all forced: left out of the sampling and of the target
+                kept_total += len(idx)
+        offset += heads * t
+    live_heads = sum(int(lv.sum()) for lv in live)
+    assert abs(kept_total - target) < live_heads * block + 1e-9
 
 
 @pytest.mark.parametrize("options", ["core=0.25/block=3/order=random", "block=4", "order=random"])
