@@ -173,6 +173,8 @@ def top_entries(
             f"count must be in [0, eligible entries] per row; got {c.tolist()} with "
             f"{available.tolist()} eligible"
         )
+    if not c.any():
+        return torch.zeros_like(eligible)
     # eligible first, then larger keys, then later positions (stable sorts on the flipped row)
     by_key = torch.sort(keys.flip(-1), dim=-1, descending=True, stable=True).indices
     ok = eligible.flip(-1).gather(-1, by_key).to(torch.int8)
@@ -239,8 +241,7 @@ def capped_scale(
     ``[R]`` non-negative. Returns float64 ``(num, den)``, each ``[R]``.
     """
     pad = mass.new_zeros(mass.shape[0], 1)  # sentinel: some c always qualifies
-    order = torch.cat([mass, pad], -1).argsort(dim=-1, descending=True, stable=True)
-    s = torch.cat([mass, pad], -1).gather(-1, order)
+    s, order = torch.cat([mass, pad], -1).sort(-1, descending=True)  # ties: equal values
     z = torch.cat([sizes.to(torch.float64), pad], -1).gather(-1, order)
     capped = z.cumsum(-1) - z  # W_c
     rest = (z * s).flip(-1).cumsum(-1).flip(-1)  # S_c
@@ -380,8 +381,10 @@ def systematic_sample_ordered(
         raise ValueError("inclusion probabilities must lie in [0, 1]")
     if not isinstance(order, torch.Tensor) or order.shape != P.shape:
         raise ValueError(f"order must be an int64 tensor of shape {tuple(P.shape)}")
-    identity = torch.arange(P.shape[-1], device=order.device).expand_as(order)
-    if order.dtype != torch.int64 or not torch.equal(order.sort(-1).values, identity):
+    if order.dtype != torch.int64 or (order < 0).any() or (order >= P.shape[-1]).any():
+        raise ValueError("order must hold a permutation of 0..K-1 in every row")
+    seen = torch.zeros_like(order).scatter_add_(-1, order, torch.ones_like(order))
+    if not (seen == 1).all():
         raise ValueError("order must hold a permutation of 0..K-1 in every row")
     u = torch.as_tensor(offset, dtype=torch.float64, device=P.device)
     if u.shape != P.shape[:1] or not ((u >= 0) & (u < 1)).all():
