@@ -13,16 +13,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from fractions import Fraction
 
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from probkv import sample_size, sampling
 from probkv.observation import observe_layer
-from probkv.policies import ProbabilisticPolicy, parse_method
-from probkv.proposals import FLOOR
-from probkv.scores import SCORE_NAMES
+from probkv.policies import LayerObservation, ProbabilisticPolicy, parse_method
+from probkv.proposals import FLOOR, max_pool_log_scores, proposal_from_log_scores
+from probkv.scores import FORCED_LOG_SCORE, SCORE_NAMES
 
 torch.set_num_threads(1)
 
@@ -63,6 +66,10 @@ def dense_probabilities(q, k):
         for j in range(t):
             p[h, j, : j + 1] = torch.softmax(logits[j, : j + 1], dim=0)
     return p
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
 
 
 def budget(t: int, r: float) -> int:
@@ -383,3 +390,296 @@ def test_bad_fields_fail_at_construction_naming_the_value():
         ProbabilisticPolicy(ratio=1.0)
     with pytest.raises(ValueError, match=r"unknown parameter\(s\) \['window'\] for score 'h2o'"):
         ProbabilisticPolicy(score="h2o", score_params={"window": 8})
+
+
+# --------------------------------------------------------- span-preserving designs (S10)
+
+
+def synthetic(log_scores, window: int = 0, layer_idx: int = 0) -> LayerObservation:
+    """An observation from given log-scores; the last ``window`` entries forced (a SnapKV-like
+    window with ``FORCED_LOG_SCORE``)."""
+    ls = log_scores.float().clone()
+    forced = None
+    if window > 0:
+        forced = torch.zeros(ls.shape, dtype=torch.bool)
+        forced[:, -window:] = True
+        ls[forced] = FORCED_LOG_SCORE
+    return LayerObservation(layer_idx, layer_idx, ls, forced, torch.zeros_like(ls))
+
+
+def reference_core(scores: torch.Tensor, forced: torch.Tensor | None, count: int) -> set[int]:
+    """S10.2 for one head: the ``count`` non-forced entries of largest score (the proposal is
+    increasing in it), ties to the later position, as top-k methods break them (S5)."""
+    free = [i for i in range(scores.numel()) if forced is None or not forced[i]]
+    return set(sorted(free, key=lambda i: (-float(scores[i]), -i))[:count])
+
+
+def floor_fraction(f: float, b: int) -> int:
+    return math.floor(Fraction(str(f)) * b)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpanPathPolicy(ProbabilisticPolicy):
+    """The policy forced through the S10 design path even with S9's options."""
+
+    @property
+    def _span_design(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("scope", ["head", "global"])
+@pytest.mark.parametrize("method", ["prob:snapkv/window=8", "prob:h2o/recent=0.3", "prob:knorm"])
+def test_design_path_with_s9_options_is_todays_sampler(scope, method):
+    """core=0, block=1, order=position is S9's pps exactly: through the S10 design path the
+    same kept sets and the same log-weights (bit for bit) for the same seed."""
+    policy = parse_method(f"{method}/scope={scope}", ratio=0.6)
+    obs = [observe(policy, *random_layer(45, 2, 2, seed=30 + i), layer_idx=i) for i in range(2)]
+    span = SpanPathPolicy(**{f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)})
+    layers = [obs] if scope == "global" else [[o] for o in obs]
+    for seed in range(4):
+        for group in layers:
+            old = dataclasses.replace(policy, seed=seed).select(group, num_layers=2)
+            new = dataclasses.replace(span, seed=seed).select(group, num_layers=2)
+            for a, b in zip(old, new, strict=True):
+                assert torch.equal(a.indices, b.indices) and torch.equal(a.lengths, b.lengths)
+                assert torch.equal(a.log_weights, b.log_weights)
+
+
+@pytest.mark.parametrize("ratio", [0.3, 0.7, 0.95])
+@pytest.mark.parametrize(
+    "options",
+    ["snapkv/window=8", "h2o", "h2o/recent=0.3", "knorm", "snapkv/window=8/pool=5", "min-h/pool=3"],
+)
+def test_core_one_is_the_topk_method_of_the_score(ratio, options):
+    """S10.2: core=1 keeps the top-k of the proposal: the same kept set as topk:<score> with
+    the same options (forced entries alike), every weight 1."""
+    prob = parse_method(f"prob:{options}/core=1", ratio=ratio)
+    topk = parse_method(f"topk:{options}", ratio=ratio)
+    q, k, v = random_layer(50, 2, 2, seed=40)
+    obs = observe(prob, q, k, v)
+    for seed in range(3):
+        (ours,) = dataclasses.replace(prob, seed=seed).select([obs], num_layers=1)
+        (theirs,) = topk.select([obs], num_layers=1)
+        assert torch.equal(ours.indices, theirs.indices)
+        assert torch.equal(ours.lengths, theirs.lengths)
+        assert (ours.log_weights == 0).all()
+
+
+@pytest.mark.parametrize("pool", [1, 5])
+def test_core_is_weight_one_and_the_rest_pps_of_the_restricted_proposal(pool):
+    """S10.2 per head: the floor(f b) entries of largest (pooled) score are kept with log-weight
+    0; every other kept entry has -log P_i with P the pps of the proposal restricted to the
+    remaining entries (renormalised) for the remaining budget b - |C|."""
+    policy = parse_method(f"prob:snapkv/window=8/core=0.5/pool={pool}", ratio=0.7)
+    q, k, v = random_layer(60, 2, 2, seed=41)
+    obs = policy._with_forced(observe(policy, q, k, v))
+    pi = policy.proposal(obs).double()
+    scores = policy.pooled_scores(obs)
+    b = budget(60, 0.7) - 8
+    for seed in range(4):
+        (sel,) = dataclasses.replace(policy, seed=seed).select([obs], num_layers=1)
+        for h in range(2):
+            idx, logw = sel.head(h)
+            core = reference_core(scores[h], obs.forced[h], floor_fraction(0.5, b))
+            rest = pi[h].clone()
+            rest[list(core)] = 0.0
+            P = sampling.pps_inclusion_probabilities(rest / rest.sum(), 8 + b, 8 + len(core))
+            assert core <= set(idx.tolist()) and len(idx) == 8 + b
+            for i, w in zip(idx.tolist(), logw.double().tolist()):
+                if i in core or i >= 52:
+                    assert w == 0.0
+                else:
+                    assert w == pytest.approx(-math.log(float(P[i])), rel=1e-5, abs=1e-6)
+
+
+def test_global_core_is_the_top_of_all_heads_then_one_scale():
+    """S10.2 with scope=global: the core is the floor(f S) entries of largest proposal over all
+    heads of all layers (S = sum_h (1 - r) t_h - forced), weight 1; the rest is pps with one
+    lam over the remaining entries of every head, P = min(1, lam pi), sum P = S - |C|."""
+    policy = parse_method("prob:h2o/scope=global/core=0.5", ratio=0.75)
+    obs = [
+        synthetic(torch.randn(2, 30 + 10 * i, generator=gen(i)) * 2, layer_idx=i) for i in range(2)
+    ]
+    pis = [policy.proposal(o).double() for o in obs]
+    total = 0.25 * (2 * 30 + 2 * 40)
+    flat = torch.cat([p.flatten() for p in pis])
+    order = sorted(range(flat.numel()), key=lambda i: (-float(flat[i]), -i))
+    core = set(order[: floor_fraction(0.5, total)])
+    rest = flat.clone()
+    rest[list(core)] = 0.0
+    P = reference_capping(rest, total - len(core))
+    sels = policy.select(obs, num_layers=2)
+    offsets = [0, 60]
+    kept_total = 0
+    for sel, offset, t in zip(sels, offsets, [30, 40]):
+        for h in range(2):
+            idx, logw = sel.head(h)
+            flat_idx = [offset + h * t + i for i in idx.tolist()]
+            kept_total += len(flat_idx)
+            head = set(range(offset + h * t, offset + (h + 1) * t))
+            assert core & head <= set(flat_idx)
+            expected = len(core & head) + float(sum(P[i] for i in head))
+            assert math.floor(expected - 1e-9) <= len(flat_idx) <= math.ceil(expected + 1e-9)
+            for i, w in zip(flat_idx, logw.double().tolist()):
+                target = 0.0 if i in core else -math.log(float(P[i]))
+                assert w == pytest.approx(target, rel=1e-5, abs=1e-6)
+    assert abs(kept_total - total) < 4  # each of the 4 heads within 1 of its expectation
+
+
+def reference_capping(p: torch.Tensor, n: float) -> torch.Tensor:
+    """S9 iterative capping, literally: P = min(1, lam p) with sum P = n."""
+    capped = torch.zeros_like(p, dtype=torch.bool)
+    while True:
+        lam = (n - capped.sum()) / p[~capped].sum()
+        new = ~capped & (lam * p >= 1)
+        if not new.any():
+            return torch.where(capped, 1.0, lam * p)
+        capped |= new
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    t=st.integers(1, 50),
+    heads=st.integers(1, 3),
+    spread=st.sampled_from([0.3, 2.0, 8.0]),
+    ratio=st.floats(0.0, 0.9999, exclude_min=True),
+    core=st.sampled_from([0.0, 0.3, 0.5, 1.0]),
+    block=st.integers(1, 9),
+    order=st.sampled_from(["position", "random"]),
+    window=st.integers(0, 10),
+    recent=st.sampled_from([0.0, 0.25]),
+    pool=st.sampled_from([1, 3]),
+    seed=st.integers(0, 10**6),
+)
+def test_span_designs_property(
+    t, heads, spread, ratio, core, block, order, window, recent, pool, seed
+):
+    """For any proposal, ratio, core, block, order: each head keeps its budget exactly with
+    entry units (block=1) and within block - 1 of it with blocks; forced entries are kept;
+    log-weights are finite and >= 0 (weights 1 / P >= 1) and exactly 0 on forced and core
+    entries; the same seed gives the same selection."""
+    policy = ProbabilisticPolicy(
+        score="h2o",
+        ratio=ratio,
+        core=core,
+        block=block,
+        order=order,
+        recent=recent,
+        pool=pool,
+        seed=seed % 1000,
+    )
+    obs = synthetic(spread * torch.randn(heads, t, generator=gen(seed)), min(window, t))
+    (sel,) = policy.select([obs], num_layers=1)
+    (again,) = policy.select([obs], num_layers=1)
+    assert torch.equal(sel.indices, again.indices) and torch.equal(
+        sel.log_weights, again.log_weights
+    )
+    fitted = policy._with_forced(obs)
+    scores = policy.pooled_scores(fitted)
+    b = budget(t, ratio)
+    for h in range(heads):
+        idx, logw = sel.head(h)
+        forced = fitted.forced[h] if fitted.forced is not None else torch.zeros(t, dtype=torch.bool)
+        assert abs(len(idx) - b) <= block - 1
+        assert set(forced.nonzero().flatten().tolist()) <= set(idx.tolist())
+        assert torch.isfinite(logw).all() and (logw >= 0).all()
+        sampled = b - int(forced.sum())
+        core_set = reference_core(scores[h], forced, floor_fraction(core, sampled))
+        take_all = core_set | set(forced.nonzero().flatten().tolist())
+        assert all(w == 0 for i, w in zip(idx.tolist(), logw.tolist()) if i in take_all)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=3),
+    heads=st.integers(1, 3),
+    ratio=st.floats(0.0, 0.9999, exclude_min=True),
+    core=st.sampled_from([0.0, 0.5, 1.0]),
+    block=st.integers(1, 6),
+    order=st.sampled_from(["position", "random"]),
+    window=st.integers(0, 6),
+    seed=st.integers(0, 10**6),
+)
+def test_span_designs_global_property(lengths, heads, ratio, core, block, order, window, seed):
+    """scope=global: forced entries and the global core (the floor(f S) entries of largest
+    proposal over all heads, S the sampled budget) are kept with log-weight 0; log-weights
+    are finite and >= 0; every head keeps within block of its expected count, so the total over
+    the sampled heads is within (heads) x block of their global budget (a head whose entries
+    are all forced is left out of the sampling); the same seed gives the same selections."""
+    policy = ProbabilisticPolicy(
+        score="h2o", scope="global", ratio=ratio, core=core, block=block, order=order, seed=seed
+    )
+    obs = [
+        synthetic(2 * torch.randn(heads, t, generator=gen(seed + i)), min(window, t), i)
+        for i, t in enumerate(lengths)
+    ]
+    sels = policy.select(obs, num_layers=len(obs))
+    again = policy.select(obs, num_layers=len(obs))
+    assert all(torch.equal(a.indices, b.indices) for a, b in zip(sels, again))
+    fitted = [policy._with_forced(o) for o in obs]
+    pis = [policy.proposal(o).double() for o in fitted]
+    live = [p.sum(-1) > 0 for p in pis]
+    forced_total = sum(
+        int(o.forced[lv].sum()) for o, lv in zip(fitted, live) if o.forced is not None
+    )
+    target = sum((1 - ratio) * t * int(lv.sum()) for t, lv in zip(lengths, live))
+    flat = torch.cat([p.flatten() for p in pis])
+    count = floor_fraction(core, max(target - forced_total, 0.0))
+    ranked = sorted(
+        (i for i in range(flat.numel()) if flat[i] > 0), key=lambda i: (-float(flat[i]), -i)
+    )
+    core_flat = set(ranked[:count])
+    kept_total, offset = 0, 0
+    for sel, o, t in zip(sels, fitted, lengths):
+        for h in range(heads):
+            idx, logw = sel.head(h)
+            forced = set() if o.forced is None else set(o.forced[h].nonzero().flatten().tolist())
+            assert forced <= set(idx.tolist())
+            assert torch.isfinite(logw).all() and (logw >= 0).all()
+            take_all = forced | {
+                i - offset - h * t for i in core_flat if 0 <= i - offset - h * t < t
+            }
+            assert take_all <= set(idx.tolist())
+            assert all(w == 0 for i, w in zip(idx.tolist(), logw.tolist()) if i in take_all)
+            if len(forced) < t:  # all forced: left out of the sampling and of the target
+                kept_total += len(idx)
+        offset += heads * t
+    live_heads = sum(int(lv.sum()) for lv in live)
+    assert abs(kept_total - target) < live_heads * block + 1e-9
+
+
+@pytest.mark.parametrize("options", ["core=0.25/block=3/order=random", "block=4", "order=random"])
+def test_span_designs_corrected_total_is_unbiased(options):
+    """S10: the policy's weights keep the Horvitz-Thompson total unbiased:
+    sum_{i kept} w_i f_i over N seeds has mean sum_i f_i within 5 of its own standard errors
+    (sample standard deviation / sqrt N)."""
+    policy, obs = one_layer(f"prob:h2o/uniform_mix=0.5/{options}", t=40, hkv=1)
+    f = torch.linspace(0.1, 2.0, 40, dtype=F64) ** 2
+    n = 400
+    totals = corrected_totals(policy, obs, f, range(n))
+    se = float(totals.std()) / math.sqrt(n)
+    assert abs(float(totals.mean()) - float(f.sum())) <= 5 * se
+
+
+def test_pool_max_pools_the_scores_before_the_proposal():
+    """S10 pool: the proposal is S2's proposal of the max-pooled log-scores (forced excluded)."""
+    policy = parse_method("prob:h2o/recent=0.2/pool=5/proposal_tau=2", ratio=0.5)
+    obs = policy._with_forced(observe(policy, *random_layer(40, 2, 2, seed=42)))
+    pooled = max_pool_log_scores(obs.log_scores, 5, forced=obs.forced)
+    expected = proposal_from_log_scores(pooled, tau=2.0, forced=obs.forced)
+    assert torch.equal(policy.proposal(obs), expected)
+    with_replacement = parse_method("prob:h2o/pool=5/sampler=with_replacement", ratio=0.5)
+    assert with_replacement.select([obs], num_layers=1)[0].lengths.sum() > 0
+
+
+def test_span_options_fail_naming_the_value():
+    with pytest.raises(ValueError, match=r"core must be in \[0, 1\] .*got 1.2"):
+        ProbabilisticPolicy(core=1.2)
+    with pytest.raises(ValueError, match=r"block must be an integer >= 1 .*got 0"):
+        ProbabilisticPolicy(block=0)
+    with pytest.raises(ValueError, match="order must be one of 'position', 'random'; got 'lifo'"):
+        ProbabilisticPolicy(order="lifo")
+    with pytest.raises(ValueError, match=r"pool must be an odd integer >= 1 .*got 2"):
+        ProbabilisticPolicy(pool=2)
+    with pytest.raises(ValueError, match="designs of sampler='pps'"):
+        ProbabilisticPolicy(sampler="with_replacement", block=2)

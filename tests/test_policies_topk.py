@@ -248,6 +248,20 @@ def reference_ada(keys, forced, layer_budget, alpha):
     return [len(forced[h]) + ints[h] for h in range(num_heads)]
 
 
+def reference_pool(row: list[float], kernel: int, forced: list[int]) -> list[float]:
+    """S10 pool: each non-forced entry takes the largest score of the non-forced entries within
+    kernel // 2 of it; forced entries keep theirs."""
+    half, skip = kernel // 2, set(forced)
+    return [
+        x
+        if i in skip
+        else max(
+            row[j] for j in range(i - half, i + half + 1) if 0 <= j < len(row) and j not in skip
+        )
+        for i, x in enumerate(row)
+    ]
+
+
 def reference_select(policy: TopKPolicy, layers, num_layers: int) -> list[list[set[int]]]:
     """What each KV head of each layer keeps, by the paper definitions above."""
     out = []
@@ -263,6 +277,7 @@ def reference_select(policy: TopKPolicy, layers, num_layers: int) -> list[list[s
         recent = min(budget, math.floor(policy.recent * budget + 0.5))
         forced_all = sorted(set(window) | set(range(t - recent, t)))
         forced = forced_fit(forced_all, budget)
+        keys = [reference_pool(row, policy.pool, forced) for row in keys]
         if policy.head_budgets == "ada":
             heads = reference_ada(keys, [forced] * hkv, budget * hkv, policy.alpha)
         else:
@@ -294,6 +309,10 @@ METHODS = [
     "topk:h2o-h",
     "topk:min",
     "topk:min-h",
+    "h2o/pool=5",
+    "knorm/pool=3/recent=0.25",
+    "snapkv/window=8/pool=3",
+    "ada_snapkv/window=8/pool=5",
 ]
 
 

@@ -15,7 +15,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from probkv.proposals import FLOOR, group_mixture, proposal_from_log_scores, with_floor
+from probkv.proposals import (
+    FLOOR,
+    check_pool_kernel,
+    group_mixture,
+    max_pool_log_scores,
+    proposal_from_log_scores,
+    with_floor,
+)
 from probkv.scores import SCORE_NAMES, compute_scores
 
 torch.set_num_threads(1)
@@ -231,6 +238,81 @@ def test_h2o_proposal_at_tau_one_is_normalised_column_sums():
     col = torch.softmax(logits, -1).sum(0)
     pi = build_proposal("h2o", q, k, None, scale=0.3).pi[0]
     torch.testing.assert_close(pi.double(), col / col.sum(), rtol=2e-5, atol=0)
+
+
+# ----------------------------------------------------------------- pooled log-scores (S10)
+
+
+def reference_max_pool(log_scores, kernel, forced=None):
+    """Entry by entry: max over the non-forced j with |i - j| <= kernel // 2; forced keep theirs."""
+    rows, t = log_scores.shape
+    out = log_scores.clone()
+    for r in range(rows):
+        for i in range(t):
+            if forced is not None and forced[r, i]:
+                continue
+            window = [
+                log_scores[r, j]
+                for j in range(max(0, i - kernel // 2), min(t, i + kernel // 2 + 1))
+                if forced is None or not forced[r, j]
+            ]
+            out[r, i] = max(window)
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    t=st.integers(1, 30),
+    kernel=st.sampled_from([1, 3, 5, 7, 31]),
+    forced_fraction=st.sampled_from([0.0, 0.3, 0.9]),
+    seed=st.integers(0, 10**6),
+)
+def test_max_pool_log_scores_equals_reference(t, kernel, forced_fraction, seed):
+    """S10 pooling: every entry takes the largest log-score of its non-forced neighbours within
+    kernel // 2 (clipped at the ends, itself included); forced entries keep theirs and lend
+    nothing. Exact (a max), in the input dtype."""
+    ls = random_log_scores(3, t, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    forced = torch.rand(3, t, generator=gen) < forced_fraction
+    pooled = max_pool_log_scores(ls, kernel, forced=forced)
+    assert pooled.dtype == ls.dtype and torch.isfinite(pooled).all()
+    assert torch.equal(pooled, reference_max_pool(ls, kernel, forced))
+    assert torch.equal(
+        max_pool_log_scores(ls.double(), kernel), reference_max_pool(ls.double(), kernel)
+    )
+    assert (pooled >= ls).all()
+
+
+def test_max_pool_is_the_log_of_snapkv_style_max_pooling():
+    """exp is increasing: pooling log-scores = log of max-pooled scores (S6's pooling)."""
+    ls = random_log_scores(2, 40, seed=3).double()
+    pooled_scores = torch.nn.functional.max_pool1d(ls.exp()[:, None], 5, stride=1, padding=2)[:, 0]
+    torch.testing.assert_close(max_pool_log_scores(ls, 5).exp(), pooled_scores, rtol=1e-15, atol=0)
+    assert max_pool_log_scores(ls, 1) is ls
+
+
+def test_a_needle_lends_its_score_to_its_neighbours():
+    """A single high entry raises exactly its kernel // 2 neighbours on each side."""
+    ls = torch.zeros(1, 11)
+    ls[0, 5] = 4.0
+    assert max_pool_log_scores(ls, 5)[0].tolist() == [0, 0, 0, 4, 4, 4, 4, 4, 0, 0, 0]
+
+
+@pytest.mark.parametrize("bad", [0, 2, -1, 3.0, True, "3"])
+def test_bad_pool_kernel_names_the_value(bad):
+    with pytest.raises(ValueError, match=rf"pool must be an odd integer >= 1 .* got {bad!r}"):
+        check_pool_kernel(bad)
+    with pytest.raises(ValueError, match="kernel must be an odd integer >= 1"):
+        max_pool_log_scores(torch.zeros(1, 3), bad)
+
+
+def test_max_pool_bad_tensors():
+    with pytest.raises(ValueError, match="log_scores must be a floating-point tensor"):
+        max_pool_log_scores(torch.zeros(1, 3, dtype=torch.int64), 3)
+    with pytest.raises(ValueError, match="non-empty last dimension"):
+        max_pool_log_scores(torch.zeros(1, 0), 3)
+    with pytest.raises(ValueError, match=r"forced must be a bool tensor .* \(1, 3\)"):
+        max_pool_log_scores(torch.zeros(1, 3), 3, forced=torch.zeros(1, 3))
 
 
 # ------------------------------------------------------------------------- bad input

@@ -6,7 +6,7 @@ from __future__ import annotations
 import inspect
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from probkv import scores
@@ -116,6 +116,12 @@ def test_python_api_and_names_agree():
         ("ada_snapkv/alpha=0.5", "ada_snapkv/alpha=0.5"),
         ("h2o/recent=0.5", "h2o/recent=0.5"),
         ("  knorm  ", "knorm"),
+        ("prob:snapkv/core=0.50", "prob:snapkv/core=0.5"),
+        ("prob:h2o/order=random/block=8", "prob:h2o/block=8/order=random"),
+        ("prob:h2o/core=0/block=1/order=position/pool=1", "prob:h2o"),
+        ("prob:min-h/core=1.0/pool=5", "prob:min-h/core=1/pool=5"),
+        ("snapkv/pool=3", "snapkv/pool=3"),
+        ("topk:h2o/pool=1", "h2o"),
     ],
 )
 def test_canonical_names(spec, canonical):
@@ -152,7 +158,17 @@ VALUES = {
     "gqa": ["mean", "mixture"],
     "sinks": ["0", "1", "4", "8"],
     "chunk_size": ["16", "64"],
+    "core": ["0", "0.25", "0.5", "1"],
+    "block": ["1", "4", "8"],
+    "order": ["position", "random"],
+    "pool": ["1", "3", "7"],
 }
+SPAN_DEFAULTS = {"core=0", "block=1", "order=position"}  # S10 designs need sampler=pps
+
+
+def span_design_without_pps(options: list[str]) -> bool:
+    span = [o for o in options if o.split("=")[0] in ("core", "block", "order")]
+    return "sampler=with_replacement" in options and not set(span) <= SPAN_DEFAULTS
 
 
 @settings(max_examples=150, deadline=None)
@@ -163,6 +179,7 @@ def test_parse_and_name_round_trip(data):
     name = data.draw(st.sampled_from([n for n in method_names() if n != "full"]))
     keys = data.draw(st.lists(st.sampled_from(method_options(name)), unique=True, max_size=5))
     options = [f"{k}={data.draw(st.sampled_from(VALUES[k]))}" for k in keys]
+    assume(not span_design_without_pps(options))  # refused by name (test below)
     spec = "/".join([name, *options])
     ratio = data.draw(st.sampled_from([0.0, 0.25, 0.5, 0.9]))
     policy = parse_method(spec, ratio=ratio)
@@ -208,6 +225,8 @@ def test_unknown_option_lists_the_valid_options(name):
 
 def test_method_options_per_family():
     assert "tau" in method_options("prob:h2o") and "alpha" not in method_options("prob:h2o")
+    assert {"core", "block", "order", "pool"} <= set(method_options("prob:snapkv"))
+    assert "pool" in method_options("snapkv") and "core" not in method_options("snapkv")
     assert "sinks" in method_options("streaming_llm") and "window" not in method_options("h2o")
     assert {"window", "kernel", "pooling", "gqa"} <= set(method_options("prob:snapkv"))
     assert "layer_budgets" not in method_options("pyramidkv")  # fixed by the name
@@ -239,6 +258,20 @@ def test_method_options_per_family():
         ("prob:h2o/uniform_mix=0", r"uniform_mix must be in \(0, 1\]"),
         ("prob:h2o/chunk_size=0", "chunk_size must be >= 1, got 0"),
         ("prob:h2o/alpha=0.5", "unknown option 'alpha' for method 'prob:h2o'"),
+        ("prob:h2o/core=1.5", r"core must be in \[0, 1\] .*got 1.5"),
+        ("prob:h2o/core=half", r"core must be a number in \[0, 1\] .*got 'half'"),
+        ("prob:h2o/block=0", "block must be an integer >= 1 .*got 0"),
+        ("prob:h2o/block=2.5", "block must be an integer >= 1 .*got 2.5"),
+        ("prob:h2o/order=reverse", "order must be one of 'position', 'random'; got 'reverse'"),
+        ("prob:h2o/pool=4", "pool must be an odd integer >= 1 .*got 4"),
+        ("snapkv/pool=0", "pool must be an odd integer >= 1 .*got 0"),
+        (
+            "prob:h2o/sampler=with_replacement/block=8",
+            r"core=0.0, block=8, order='position': these are designs of sampler='pps' "
+            r"\(S10.2-S10.4\); sampler='with_replacement' allows only core=0, block=1",
+        ),
+        ("prob:h2o/sampler=with_replacement/order=random", "designs of sampler='pps'"),
+        ("prob:h2o/sampler=with_replacement/core=0.5", "designs of sampler='pps'"),
     ],
 )
 def test_bad_options_fail_naming_the_value_and_what_is_allowed(spec, message):

@@ -10,6 +10,10 @@ Entries that a method keeps unconditionally (``forced``, e.g. SnapKV's observati
 S6) form a take-all stratum with weight 1: the proposal covers only the other entries, so
 forced entries get probability exactly 0 and the uniform mixture and the floor are taken
 over the ``n`` non-forced entries (``(1 - a) / n``, ``FLOOR / n``).
+
+``max_pool_log_scores`` (S10, option ``pool``) spreads a high score to its neighbours before
+the scores become a proposal, as SnapKV pools its scores (S6): a needle's neighbouring tokens
+then share its score.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from probkv._checks import check_distribution, check_tau
 
@@ -166,3 +171,59 @@ def proposal_from_log_scores(
     pi = torch.maximum(pi, FLOOR * uniform)  # S2 floor FLOOR / n on the free entries
     pi = pi / pi.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
     return pi.masked_fill(~free, 0.0).to(torch.float32)
+
+
+def check_pool_kernel(kernel: int, name: str = "pool") -> int:
+    """A max-pooling kernel over positions: an odd integer ``>= 1`` (centred; 1 = no pooling)."""
+    if isinstance(kernel, bool) or not isinstance(kernel, int) or kernel < 1 or kernel % 2 == 0:
+        raise ValueError(
+            f"{name} must be an odd integer >= 1 (centred max-pooling kernel over positions; "
+            f"1 = no pooling), got {kernel!r}"
+        )
+    return kernel
+
+
+def max_pool_log_scores(
+    log_scores: torch.Tensor, kernel: int, *, forced: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Max-pooled log-scores over positions (S10; SnapKV's max-pooling, S6, on any score).
+
+    Entry ``i`` gets ``max {log_scores[j] : |i - j| <= kernel // 2, j not forced}`` (the window
+    is clipped at the ends of the row; it always holds ``i`` itself, so the result is finite
+    where ``log_scores`` is). Since ``exp`` is increasing this is the log of the max-pooled
+    scores. Forced entries keep their own log-score and lend it to no neighbour: their score is
+    a placeholder (``probkv.scores.FORCED_LOG_SCORE``), and they are kept anyway.
+    ``kernel = 1`` returns ``log_scores`` unchanged.
+
+    Args:
+        log_scores: ``[..., t]`` floating-point log-scores.
+        kernel: odd integer ``>= 1`` (``check_pool_kernel``).
+        forced: optional bool ``[..., t]`` mask of entries kept outside the sampling.
+
+    Returns:
+        a tensor of ``log_scores``' shape and dtype.
+    """
+    kernel = check_pool_kernel(kernel, "kernel")
+    if not isinstance(log_scores, torch.Tensor) or not torch.is_floating_point(log_scores):
+        raise ValueError(
+            f"log_scores must be a floating-point tensor, got {type(log_scores).__name__}"
+        )
+    if log_scores.ndim == 0 or log_scores.shape[-1] == 0:
+        raise ValueError(
+            f"log_scores must have a non-empty last dimension, got shape {tuple(log_scores.shape)}"
+        )
+    if forced is not None and (
+        not isinstance(forced, torch.Tensor)
+        or forced.dtype != torch.bool
+        or forced.shape != log_scores.shape
+    ):
+        raise ValueError(
+            f"forced must be a bool tensor of the log_scores' shape {tuple(log_scores.shape)}"
+        )
+    if kernel == 1:
+        return log_scores
+    lent = log_scores if forced is None else log_scores.masked_fill(forced, -math.inf)
+    rows = lent.reshape(-1, 1, log_scores.shape[-1])
+    # max_pool1d pads with -inf: the window is clipped at both ends
+    pooled = F.max_pool1d(rows, kernel, stride=1, padding=kernel // 2).reshape(log_scores.shape)
+    return pooled if forced is None else torch.where(forced, log_scores, pooled)

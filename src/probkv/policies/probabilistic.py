@@ -4,19 +4,22 @@ Sample which entries each KV head keeps from a proposal built from ``score`` (S2
 number of samples for the target ratio per head or globally across all layers (S3), and give
 each kept entry an importance log-weight (S4) that the attention adds to its logits at every
 later decode step. Entries a score forces (SnapKV's observation window) form a take-all
-stratum: always kept, weight 1, and the proposal covers the other entries.
+stratum: always kept, weight 1, and the proposal covers the other entries. pps can keep spans
+(S10.2-S10.4, ``probkv.designs``): a deterministic core, blocks, a random visiting order; and
+any score can be max-pooled over positions first (``pool``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from probkv import budgets, estimator, proposals, sample_size, sampling
+from probkv import budgets, designs, estimator, proposals, sample_size, sampling
 from probkv._checks import check_choice, check_tau
 from probkv.policies.base import (
     EvictionPolicy,
@@ -51,6 +54,18 @@ class ProbabilisticPolicy(EvictionPolicy):
     - ``recent``: fraction of each head's budget reserved for the most recent entries, a
       take-all stratum like SnapKV's window (H2O's recent window; default 0, none).
     - ``seed``: same seed, same kept set.
+    - ``pool``: max-pool the log-scores over positions with this odd kernel before they become
+      the proposal (S10; 1 = none), so a needle's neighbours share its score.
+    - Span-preserving pps designs (S10.2-S10.4; ``sampler="pps"`` only; the defaults are S9's
+      pps): ``core`` = f in [0, 1], per head the ``floor(f b)`` entries of largest proposal
+      (``b`` = budget after forced entries; ties by the score, then the later position) are
+      kept with weight 1 and the rest of the budget is pps over the other entries (``core=1``
+      is the top-k method of ``score``); ``block`` = entries per sampling unit (runs of
+      consecutive non-forced entries, every entry of a kept block weighted ``1 / P_block``;
+      the kept count is within ``block - 1`` of the budget); ``order`` = ``"position"`` or
+      ``"random"``, the visiting order of systematic sampling (a seeded permutation per head).
+      Scope "global": the core is the ``floor(f S)`` entries of largest proposal over all heads
+      of all layers (``S`` the global sampled budget), then one pps scale for the rest.
 
     Forced entries (the score's, e.g. SnapKV's window, plus the recent ones) are kept with
     weight 1 and count against the budget; if they exceed a head's budget (a short prompt at
@@ -76,6 +91,10 @@ class ProbabilisticPolicy(EvictionPolicy):
     uniform_mix: float = 1.0
     recent: float = 0.0
     seed: int = 0
+    core: float = 0.0
+    block: int = 1
+    order: str = "position"
+    pool: int = 1
 
     def __post_init__(self) -> None:
         validate_common(self)
@@ -94,6 +113,25 @@ class ProbabilisticPolicy(EvictionPolicy):
             raise ValueError(f"correct must be True or False, got {self.correct!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        self._check_span_options()
+
+    def _check_span_options(self) -> None:
+        """S10: ``core``, ``block``, ``order`` (pps designs) and ``pool``."""
+        core = check_fraction(self.core, "core", what="share of the sampled budget taken top-k")
+        object.__setattr__(self, "core", core)
+        designs.check_block(self.block)
+        check_choice(self.order, designs.ORDERS, "order")
+        proposals.check_pool_kernel(self.pool)
+        if self.sampler != "pps" and self._span_design:
+            raise ValueError(
+                f"core={self.core!r}, block={self.block!r}, order={self.order!r}: these are "
+                f"designs of sampler='pps' (S10.2-S10.4); sampler={self.sampler!r} allows only "
+                "core=0, block=1, order='position'"
+            )
+
+    @property
+    def _span_design(self) -> bool:
+        return self.core > 0 or self.block > 1 or self.order != "position"
 
     @property
     def layerwise(self) -> bool:
@@ -103,10 +141,17 @@ class ProbabilisticPolicy(EvictionPolicy):
     def corrected(self) -> bool:
         return self.correct and not math.isinf(self.tau)
 
+    def pooled_scores(self, obs: LayerObservation) -> torch.Tensor:
+        """``[Hkv, t]`` log-scores max-pooled over positions with kernel ``pool`` (S10)."""
+        return proposals.max_pool_log_scores(obs.log_scores, self.pool, forced=obs.forced)
+
     def proposal(self, obs: LayerObservation) -> torch.Tensor:
         """``[Hkv, t]``: zero on forced entries, full support on the others (S2)."""
         return proposals.proposal_from_log_scores(
-            obs.log_scores, tau=self.proposal_tau, uniform_mix=self.uniform_mix, forced=obs.forced
+            self.pooled_scores(obs),
+            tau=self.proposal_tau,
+            uniform_mix=self.uniform_mix,
+            forced=obs.forced,
         )
 
     def select(
@@ -124,6 +169,9 @@ class ProbabilisticPolicy(EvictionPolicy):
         rows = [pi.sum(-1) > 0 for pi in pis]
         live = [i for i, r in enumerate(rows) if bool(r.any())]
         draw = self._draw_pps if self.sampler == "pps" else self._draw_with_replacement
+        if self._span_design:  # S10.2-S10.4; the core ranks by the (pooled) scores
+            keys = [self.pooled_scores(observations[i])[rows[i]].double() for i in live]
+            draw = functools.partial(self._draw_span, keys)
         drawn = []
         if live:
             drawn = draw(
@@ -189,6 +237,33 @@ class ProbabilisticPolicy(EvictionPolicy):
             logw = None
             if self.corrected:
                 logw = estimator.pps_log_weights(pi, kept, p, tau=self.tau)
+            out.append((kept, logw))
+        return out
+
+    def _draw_span(self, keys, pis, forced, head_budgets, generator):
+        """S10.2-S10.4: a deterministic core, then pps over blocks visited in ``order``;
+        weights 1 on the core, ``1 / P`` of the entry's block elsewhere."""
+        if self.scope == "global":
+            total = designs.global_budget(pis, self.ratio, forced)
+            eligible = [pi > 0 for pi in pis]
+            cores = designs.top_entries_global(pis, designs.core_size(self.core, total), eligible)
+            rest = total - sum(int(c.sum()) for c in cores)
+            units = designs.block_design_global(pis, rest, self.block, outside=cores)
+        else:
+            cores, units = [], []
+            for key, pi, f, b in zip(keys, pis, forced, head_budgets):
+                sampled = (b - f).clamp(min=0)
+                core = designs.top_entries(key, designs.core_size(self.core, sampled), pi > 0)
+                cores.append(core)
+                rest = sampled - core.sum(-1)
+                units.append(designs.block_design(pi, rest, self.block, outside=core))
+        out = []
+        for pi, core, design in zip(pis, cores, units):
+            kept = designs.sample_design(design, self.order, generator) | core
+            logw = None
+            if self.corrected:
+                inclusion = torch.where(core, 1.0, design.entry_inclusion)
+                logw = estimator.pps_log_weights(pi, kept, inclusion, tau=self.tau)
             out.append((kept, logw))
         return out
 

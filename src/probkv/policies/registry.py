@@ -8,10 +8,11 @@ Grammar (docs/methods.md lists every name, option and default)::
     SCORE       := a row of probkv.scores.SCORE_TABLE (h2o, h2o-h, min, min-h, snapkv, ...)
 
 Options (``KEY=VALUE``) are the policy's fields (``tau``, ``scope``, ``sampler``, ``weights``,
-``correct``, ``seed``, ``proposal_tau``, ``uniform_mix``, ``recent``, ``alpha``, ``beta``, ...)
-and the score's parameters (``window``, ``kernel``, ``pooling``, ``gqa``, ``sinks``,
-``chunk_size``). Values: numbers, ``inf``, ``true``/``false``, or words. Examples:
-``snapkv/window=64``, ``prob:min-h/tau=2/scope=global``, ``prob:h2o/correct=false``.
+``correct``, ``seed``, ``proposal_tau``, ``uniform_mix``, ``recent``, ``core``, ``block``,
+``order``, ``pool``, ``alpha``, ``beta``, ...) and the score's parameters (``window``,
+``kernel``, ``pooling``, ``gqa``, ``sinks``, ``chunk_size``). Values: numbers, ``inf``,
+``true``/``false``, or words. Examples: ``snapkv/window=64``, ``prob:min-h/tau=2/scope=global``,
+``prob:h2o/correct=false``, ``prob:snapkv/core=0.5``, ``prob:h2o/block=8/order=random``.
 
 ``method_name(policy)`` gives the canonical name: the most specific named method the policy is
 (``topk:snapkv/layer_budgets=pyramid`` is ``pyramidkv``), then only the options that differ from

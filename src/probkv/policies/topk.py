@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from probkv import budgets, scores
+from probkv import budgets, proposals, scores
 from probkv._checks import check_choice
 from probkv.policies.base import (
     EvictionPolicy,
@@ -43,6 +43,8 @@ class TopKPolicy(EvictionPolicy):
     - ``recent``: fraction of each head's budget reserved for the most recent entries (H2O's
       recent window; 0.5 is the H2O paper's equal split of heavy hitters and recent tokens).
       0 (default) keeps the SPEC's H2O, pure accumulated attention (S5).
+    - ``pool``: max-pool the log-scores over positions with this odd kernel first (S10; 1 =
+      none, the default), as ``prob:<score>/pool=k`` does: the matched top-k baseline.
     """
 
     layer_budgets: str = "uniform"
@@ -50,6 +52,7 @@ class TopKPolicy(EvictionPolicy):
     alpha: float = 0.2
     beta: float = 20.0
     recent: float = 0.0
+    pool: int = 1
 
     def __post_init__(self) -> None:
         validate_common(self)
@@ -65,6 +68,7 @@ class TopKPolicy(EvictionPolicy):
         object.__setattr__(self, "beta", float(beta))
         recent = check_fraction(self.recent, "recent", what="share of the budget kept recent")
         object.__setattr__(self, "recent", recent)
+        proposals.check_pool_kernel(self.pool)
 
     def layer_budget(self, obs: LayerObservation, num_layers: int) -> int:
         """Kept entries per head of this layer (before the head allocation)."""
@@ -91,9 +95,10 @@ class TopKPolicy(EvictionPolicy):
             h = obs.num_heads
             uniform = torch.full((h,), per_head, dtype=torch.int64)
             forced = fit_forced(obs.forced, uniform)
+            log_scores = proposals.max_pool_log_scores(obs.log_scores, self.pool, forced=forced)
             if self.head_budgets == "ada":
                 head_budgets = budgets.adakv_allocation(
-                    obs.log_scores,
+                    log_scores,
                     per_head * h,
                     alpha=self.alpha,
                     forced=forced,
@@ -104,5 +109,5 @@ class TopKPolicy(EvictionPolicy):
                 )
             else:
                 head_budgets = uniform
-            out.append(budgets.topk_per_head(obs.log_scores, head_budgets, forced=forced))
+            out.append(budgets.topk_per_head(log_scores, head_budgets, forced=forced))
         return out
