@@ -427,10 +427,12 @@ def test_validate_params_and_param_names():
 
 def test_table_declares_scale_source_and_defaults():
     """The facts the rest of probkv reads from the table (Ada-KV's scale, S6; the policies'
-    defaults; no score needs a reconstruction pass yet)."""
+    defaults; the reconstruction scores of S10.1)."""
+    reconstruction = {"kvzip", "h2o-rec", "min-rec"}
     attention = {name for name in SCORE_NAMES if on_attention_scale(name)}
-    assert attention == {"h2o", "h2o-h", "min", "min-h", "snapkv", "tova"}
-    assert not any(needs_reconstruction(name) for name in SCORE_NAMES)
+    assert attention == {"h2o", "h2o-h", "min", "min-h", "snapkv", "tova", *reconstruction}
+    assert {name for name in SCORE_NAMES if needs_reconstruction(name)} == reconstruction
+    assert default_params("kvzip") == {"sinks": 4, "chunk_tokens": 2000}
     assert default_params("snapkv") == {"window": 32, "kernel": 7, "pooling": "max", "gqa": "mean"}
     assert default_params("streaming_llm") == {"sinks": 4}
     assert default_params("h2o") == {}

@@ -107,14 +107,21 @@ def observe_layer(
     result = scores.compute_scores(
         score, query, key, value, scale=scale, column_sums=column_sums, **params
     )
-    last = kernels.attention_rows(
-        query[:, -1:], key, scale=scale, row_positions=torch.tensor([t - 1], device=query.device)
-    )[:, 0]  # [Hq, t]
     observation = LayerObservation(
         layer_idx=layer_idx,
         rank=rank,
         log_scores=result.log_scores,
         forced=result.forced,
-        last_query_attention=last.float().view(key.shape[0], -1, t).mean(1),
+        last_query_attention=last_query_attention(query, key, scale),
     )
     return out, observation
+
+
+def last_query_attention(query: torch.Tensor, key: torch.Tensor, scale: float) -> torch.Tensor:
+    """``[Hkv, t]``: the last prefill query's attention ``p_t``, averaged over each GQA group
+    (the retained-mass diagnostic of the eviction report, S6)."""
+    t = key.shape[1]
+    last = kernels.attention_rows(
+        query[:, -1:], key, scale=scale, row_positions=torch.tensor([t - 1], device=query.device)
+    )[:, 0]  # [Hq, t]
+    return last.float().view(key.shape[0], -1, t).mean(1)

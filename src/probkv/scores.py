@@ -23,6 +23,12 @@ from typing import Literal
 import torch
 
 from probkv._checks import check_choice, check_odd_int, check_positive_int
+from probkv.reconstruction import (
+    DEFAULT_CHUNK_TOKENS,
+    h2o_reconstruction,
+    kvzip,
+    min_reconstruction,
+)
 from probkv.score_functions import (
     FORCED_LOG_SCORE,
     SNAPKV_GQA,
@@ -56,7 +62,10 @@ __all__ = [
     "default_params",
     "h2o",
     "h2o_harmonic",
+    "h2o_reconstruction",
     "knorm",
+    "kvzip",
+    "min_reconstruction",
     "min_variance",
     "min_variance_harmonic",
     "needs_reconstruction",
@@ -87,7 +96,9 @@ def _optional_positive(value: object, name: str) -> int | None:
 #: What a score function may read, by the name of its keyword: the layer's prefill tensors
 #: (``query [Hq, t, d]``, ``key``/``value [Hkv, t, d]``), the logit ``scale``, the all-rows
 #: ``column_sums [Hq, t]`` (or ``None``, then computed in chunks of ``chunk_size`` rows), and
-#: the layer's shape (``t``, ``num_kv_heads``) and ``device`` for scores that read no tensor.
+#: the layer's shape (``t``, ``num_kv_heads``) and ``device`` for scores that read no tensor,
+#: and the ``reconstruction`` statistics (``probkv.reconstruction.ReconstructionStats``) of the
+#: pass run after prefill (S10.1) for the scores whose source is ``"reconstruction"``.
 SCORE_INPUTS: tuple[str, ...] = (
     "query",
     "key",
@@ -98,6 +109,7 @@ SCORE_INPUTS: tuple[str, ...] = (
     "t",
     "num_kv_heads",
     "device",
+    "reconstruction",
 )
 
 #: Where a score's statistics come from: the prefill's own rows, or a reconstruction pass
@@ -155,6 +167,8 @@ class ScoreSpec:
 
 _CHUNK_SIZE = Param(check=_optional_positive)
 _ALPHA = Param(tensor=True)  # GQA weights [Hq] or [Hkv, g] (S2), checked against the shapes
+_SINKS = Param(4, _non_negative)
+_CHUNK_TOKENS = Param(DEFAULT_CHUNK_TOKENS, check_positive_int)
 _COLUMN_SUM_INPUTS = ("query", "key", "scale", "column_sums", "chunk_size")
 
 #: Every score, in the order names are listed (``SCORE_NAMES``, method names, ``--help``).
@@ -198,10 +212,30 @@ SCORE_TABLE: dict[str, ScoreSpec] = {
     ),
     "tova": ScoreSpec(tova, ("query", "key", "scale"), attention_scale=True),
     "knorm": ScoreSpec(knorm, ("key",)),
-    "streaming_llm": ScoreSpec(
-        streaming_llm, ("t", "num_kv_heads", "device"), {"sinks": Param(4, _non_negative)}
-    ),
+    "streaming_llm": ScoreSpec(streaming_llm, ("t", "num_kv_heads", "device"), {"sinks": _SINKS}),
     "uniform": ScoreSpec(uniform, ("t", "num_kv_heads", "device")),
+    # S10.1: read from the reconstruction pass (KVzip); 4 sinks as kvpress, KVzip's chunks
+    "kvzip": ScoreSpec(
+        kvzip,
+        ("reconstruction",),
+        {"sinks": _SINKS, "chunk_tokens": _CHUNK_TOKENS},
+        attention_scale=True,
+        source="reconstruction",
+    ),
+    "h2o-rec": ScoreSpec(
+        h2o_reconstruction,
+        ("reconstruction",),
+        {"sinks": _SINKS, "chunk_tokens": _CHUNK_TOKENS, "alpha": _ALPHA},
+        attention_scale=True,
+        source="reconstruction",
+    ),
+    "min-rec": ScoreSpec(
+        min_reconstruction,
+        ("reconstruction", "value"),
+        {"sinks": _SINKS, "chunk_tokens": _CHUNK_TOKENS, "alpha": _ALPHA},
+        attention_scale=True,
+        source="reconstruction",
+    ),
 }
 
 SCORE_NAMES: tuple[str, ...] = tuple(SCORE_TABLE)
@@ -269,6 +303,7 @@ def compute_scores(
     scale: float,
     column_sums: torch.Tensor | None = None,
     chunk_size: int | None = None,
+    reconstruction: object | None = None,
     **params: object,
 ) -> Scores:
     """Score ``name`` (a row of ``SCORE_TABLE``) for one layer.
@@ -285,6 +320,9 @@ def compute_scores(
             for that weighting; passing them for a score that needs none is an error.
         chunk_size: rows per chunk when the column sums are computed here (ignored by
             scores that need no column sums).
+        reconstruction: the ``ReconstructionStats`` of the layer's reconstruction pass,
+            required by (and only by) the scores whose source is ``"reconstruction"`` (S10.1;
+            ``probkv.hf.compress`` and ``observe`` run the pass).
         params: the row's parameters: ``alpha`` (GQA weights, attention scores),
             ``window``, ``kernel``, ``pooling``, ``gqa`` (``snapkv``), ``sinks``
             (``streaming_llm``).
@@ -296,6 +334,12 @@ def compute_scores(
         raise ValueError(
             f"column_sums were given but score {name!r} uses none (only "
             f"{', '.join(map(repr, users))} do)"
+        )
+    if (reconstruction is not None) != (spec.source == "reconstruction"):
+        users = [n for n, row in SCORE_TABLE.items() if row.source == "reconstruction"]
+        raise ValueError(
+            f"score {name!r}: reconstruction statistics are required by, and only by, the "
+            f"scores {', '.join(users)} (S10.1: the pass probkv.hf.compress / observe run)"
         )
     if not isinstance(key, torch.Tensor) or key.ndim != 3:
         raise ValueError(f"key must be a [Hkv, t, d] tensor, got {getattr(key, 'shape', key)!r}")
@@ -314,5 +358,6 @@ def compute_scores(
         "t": key.shape[1],
         "num_kv_heads": key.shape[0],
         "device": key.device,
+        "reconstruction": reconstruction,
     }
     return spec.function(**{x: available[x] for x in spec.inputs}, **params)

@@ -69,3 +69,25 @@ def test_unusable_prompt_refused_before_any_job(tiny_dir, tmp_path, make_example
     with pytest.raises(ValueError, match="example 'one-token': its prompt has 1 token"):
         run_eval(run_config(tiny_dir, data, methods=("full",)), tmp_path / "run", progress=False)
     assert not (tmp_path / "run").exists()
+
+
+def test_kvzip_methods_share_one_reconstruction_pass(
+    tiny_gemma_dir, data_file, tmp_path, run_config, keyed
+):
+    """kvzip, ada_kvzip, prob:kvzip and prob:min-rec: one prefill and one reconstruction pass
+    per example and score serve every ratio (S10.1), with the rows compress gives."""
+    cfg = run_config(
+        tiny_gemma_dir,
+        data_file,
+        methods=("kvzip", "ada_kvzip", "prob:kvzip", "prob:min-rec"),
+        ratios=(0.5, 0.75),
+    )
+    fast = run_eval(cfg, tmp_path / "fast", progress=False)
+    slow = run_eval(cfg, tmp_path / "slow", progress=False, reuse_prefill=False)
+    fast_rows = read_results(tmp_path / "fast" / RESULTS_FILE)
+    slow_rows = read_results(tmp_path / "slow" / RESULTS_FILE)
+    assert max(r["shared_prefill"] for r in fast_rows) == 3 * 2  # 3 kvzip methods x 2 ratios
+    assert keyed(fast_rows) == keyed(slow_rows)
+    assert fast.jobs_run == slow.jobs_run == len(fast_rows) == 3 * 4 * 2  # 3 examples
+    for r in fast_rows:
+        assert abs(r["effective_ratio"] - r["ratio"]) < 0.01

@@ -127,6 +127,8 @@ __all__ = [
 ]
 
 ESTIMATORS = ("topk", "topk_proposal", "uncorrected", "corrected")
+# proposals whose statistics come from the prefill itself (not a reconstruction pass, S10.1)
+PREFILL_SCORES = tuple(n for n in scores.SCORE_NAMES if not scores.needs_reconstruction(n))
 WITH_REPLACEMENT_WEIGHTS = ("counts", "inclusion")
 #: Keys of every result row, in this order (``probkv plot`` reads them).
 ROW_FIELDS = (
@@ -352,7 +354,9 @@ def validate_arguments(
         raise ValueError("taus must be finite (tau = inf is the uncorrected estimator, reported)")
     check_positive_int(seeds, "seeds")
     check_positive_int(steps, "steps", allow_zero=True)
-    check_choice(proposal, scores.SCORE_NAMES, "proposal")
+    # the experiment observes each layer's own prefill; the S10.1 scores need the
+    # reconstruction pass of probkv.hf.compress, which it does not run
+    check_choice(proposal, PREFILL_SCORES, "proposal")
     check_choice(sampler, SAMPLERS, "sampler")
     check_choice(scope, SCOPES, "scope")
     if sampler == "pps":

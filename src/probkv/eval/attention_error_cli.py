@@ -46,10 +46,13 @@ def non_negative_int(value: str) -> int:
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
     """The ``attention-error`` subcommand."""
-    from probkv.eval.attention_error import PROMPT_FORMATS, WITH_REPLACEMENT_WEIGHTS
+    from probkv.eval.attention_error import (
+        PREFILL_SCORES,
+        PROMPT_FORMATS,
+        WITH_REPLACEMENT_WEIGHTS,
+    )
     from probkv.models import DEFAULT_MODEL
     from probkv.policies.probabilistic import SAMPLERS, SCOPES
-    from probkv.scores import SCORE_NAMES
 
     parser = subparsers.add_parser(
         "attention-error",
@@ -95,7 +98,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         "model's greedy answer (default for --prompt-file and --prompt-tokens)",
     )
     parser.add_argument(
-        "--proposal", choices=SCORE_NAMES, default="h2o", help="proposal (default h2o)"
+        "--proposal", choices=PREFILL_SCORES, default="h2o", help="proposal (default h2o)"
     )
     parser.add_argument(
         "--weights",

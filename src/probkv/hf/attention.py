@@ -9,6 +9,9 @@ For an evicting layer, its state (``probkv.hf.cache.LayerState``) decides:
 - ``PREFILL`` (first forward): ``probkv.observation.observe_layer`` computes the output and the
   policy's statistics from the real post-RoPE tensors (one pass for the all-rows scores, S2);
   the layer records the observation and evicts right away if the policy is layerwise;
+- ``PREFILL`` of a reconstruction score (S10.1): dense attention; the layer waits for the pass
+  (``AWAITING_RECONSTRUCTION``), whose chunks attend in state ``RECONSTRUCTING``
+  (``probkv.hf.reconstruction``: over the cache and the chunk, never stored);
 - ``OBSERVED`` (prefill seen, eviction pending): dense causal attention;
 - ``EVICTED``: one softmax over the ragged weighted prefix (logits ``+ log w``, S4) and the
   dense tail of tokens added since, which carries no weight.
@@ -24,7 +27,13 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from probkv.hf.cache import EvictingLayer, LayerState
-from probkv.observation import causal_offset_mask, dense_causal_attention, observe_layer
+from probkv.observation import (
+    causal_offset_mask,
+    dense_causal_attention,
+    last_query_attention,
+    observe_layer,
+)
+from probkv.scores import needs_reconstruction
 
 ATTN_IMPLEMENTATION = "probkv"
 
@@ -67,6 +76,12 @@ def layer_attention(
     layer.attention_done()
     if layer.state is LayerState.EVICTED:
         return evicted_attention(layer, query, scale)
+    if layer.state is LayerState.RECONSTRUCTING:  # S10.1, probkv.hf.reconstruction
+        return layer.scoring.attend(layer, query, scale)
+    if layer.state is LayerState.PREFILL and needs_reconstruction(layer.policy.score):
+        # S10.1: the scores come from the pass run after every layer's prefill
+        layer.awaits_reconstruction(last_query_attention(query, key, scale))
+        return dense_causal_attention(query, key, value, scale)
     if layer.state is LayerState.PREFILL:
         policy = layer.policy
         out, observation = observe_layer(

@@ -14,7 +14,9 @@ masks must be sized by: ``get_mask_sizes``) are kept apart (S6 pitfall).
 An ``EvictingLayer`` moves through explicit states (``LayerState``): ``PREFILL`` (nothing
 observed; its first forward is the prefill) -> ``OBSERVED`` (the policy's observation is held;
 eviction waits for the other layers: global scope, ``probkv.hf.observe``) -> ``EVICTED``.
-Layerwise policies pass through ``OBSERVED`` inside the prefill attention call.
+Layerwise policies pass through ``OBSERVED`` inside the prefill attention call. Scores read
+from a reconstruction pass (KVzip, S10.1) go ``PREFILL`` -> ``AWAITING_RECONSTRUCTION`` ->
+(``RECONSTRUCTING`` during each chunk of the pass) -> ``OBSERVED``.
 
 ``ProbKVCache`` is the ``Cache``: one ``EvictingLayer`` per global-attention layer and
 transformers' own sliding-window layers elsewhere (Gemma-3's local layers are not evicted). It
@@ -59,6 +61,10 @@ class LayerState(enum.Enum):
     """Where an ``EvictingLayer`` is in its life (module docstring)."""
 
     PREFILL = "prefill"  # nothing observed: the next forward is the prefill
+    # S10.1 scores: prefill seen (``last_query_attention`` kept), the reconstruction pass
+    # (probkv.hf.reconstruction) has not run; during its forwards the state is RECONSTRUCTING
+    AWAITING_RECONSTRUCTION = "awaiting_reconstruction"
+    RECONSTRUCTING = "reconstructing"  # a reconstruction chunk attends, never stored
     OBSERVED = "observed"  # prefill observed (``observation`` set), eviction pending
     EVICTED = "evicted"  # a ragged weighted prefix (``prefix``) and a dense tail
 
@@ -140,6 +146,10 @@ class EvictingLayer(CacheLayerMixin):
         self.state = LayerState.PREFILL
         self.observation: LayerObservation | None = None  # held in state OBSERVED only
         self.report: LayerReport | None = None  # set by every eviction
+        # S10.1: p_t [Hkv, t] kept from the prefill for the report (AWAITING_RECONSTRUCTION),
+        # and the pass's per-layer scoring (RECONSTRUCTING; probkv.hf.reconstruction)
+        self.last_query_attention: torch.Tensor | None = None
+        self.scoring = None
         self._awaiting_attention = False  # update() ran, probkv's attention not yet
 
     # ----------------------------------------------------------------- protocol
@@ -172,6 +182,12 @@ class EvictingLayer(CacheLayerMixin):
                 "probkv needs transformers to pass the attention kwargs to cache.update(..., kwargs=...) "
                 "(transformers==5.24.0 does); this transformers version does not."
             )
+        if self.state is LayerState.RECONSTRUCTING:
+            # S10.1: the chunk attends to the cache and to itself but is never stored
+            self.scoring.keys, self.scoring.values = key_states, value_states
+            kwargs[KWARGS_CHANNEL_KEY] = self
+            self._awaiting_attention = True
+            return self.tail_keys, self.tail_values
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self._append_tail(key_states, value_states)
@@ -274,14 +290,23 @@ class EvictingLayer(CacheLayerMixin):
     def observed(self, observation: LayerObservation) -> None:
         """Record the prefill's observation (``PREFILL`` -> ``OBSERVED``) and evict right away
         when the policy decides each layer on its own (the full cache never exists at once)."""
-        if self.state is not LayerState.PREFILL:
+        if self.state not in (LayerState.PREFILL, LayerState.AWAITING_RECONSTRUCTION):
             raise RuntimeError(
                 f"layer {self.layer_idx} was observed twice (state {self.state.name})"
             )
         self.observation = observation
+        self.last_query_attention = None
         self.state = LayerState.OBSERVED
         if self.policy.layerwise:
             evict_layers(self.policy, [self], num_layers=self.num_evicting)
+
+    def awaits_reconstruction(self, last_query_attention: torch.Tensor) -> None:
+        """The prefill of a reconstruction score (S10.1): keep ``p_t`` for the report and wait
+        for the pass (``PREFILL`` -> ``AWAITING_RECONSTRUCTION``)."""
+        if self.state is not LayerState.PREFILL:
+            raise RuntimeError(f"layer {self.layer_idx}: prefill seen twice ({self.state.name})")
+        self.last_query_attention = last_query_attention
+        self.state = LayerState.AWAITING_RECONSTRUCTION
 
     def evict(self, selection: RaggedSelection) -> None:
         """Keep ``selection`` of the entries this layer holds now, compose log-weights (S4).
@@ -417,6 +442,13 @@ class ProbKVCache(Cache):
         # A new forward starts at layer 0: evict first if prefill left a global decision pending.
         if layer_idx == 0 and self.eviction_pending:
             self.evict()
+        if layer_idx == 0 and self.awaiting_reconstruction:
+            raise ValueError(
+                f"score {self.policy.score!r} is read from a reconstruction pass over the context "
+                "(KVzip, S10.1), a second model run that a cache cannot start from inside "
+                "generate() or a forward; build the cache with probkv.hf.compress(model, ids, "
+                "policy, repeat_prompt=...) or probkv.hf.observe(...)"
+            )
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -424,6 +456,13 @@ class ProbKVCache(Cache):
         return self.layers[self.evicting_layers[0]].get_seq_length()
 
     # ---------------------------------------------------------------- eviction
+    @property
+    def awaiting_reconstruction(self) -> bool:
+        """The prefill observed a reconstruction score (S10.1) and the pass has not run."""
+        return any(
+            self.layers[i].state is LayerState.AWAITING_RECONSTRUCTION for i in self.evicting_layers
+        )
+
     @property
     def eviction_pending(self) -> bool:
         """Every evicting layer observed its prefill and waits for the policy (global scope)."""
@@ -444,8 +483,13 @@ class ProbKVCache(Cache):
         layers = [self.layers[i] for i in self.evicting_layers]
         missing = [layer.layer_idx for layer in layers if layer.state is not LayerState.OBSERVED]
         if missing:
+            detail = (
+                " (they wait for the reconstruction pass, S10.1: use probkv.hf.compress or observe)"
+                if self.awaiting_reconstruction
+                else ""
+            )
             raise ValueError(
-                f"cannot evict before prefill: layers {missing} have not been observed"
+                f"cannot evict before prefill: layers {missing} have not been observed{detail}"
             )
         evict_layers(self.policy, layers, num_layers=len(self.evicting_layers))
         self.num_evictions += 1

@@ -27,7 +27,7 @@ from probkv.policies.base import (
 )
 from probkv.selection import RaggedSelection
 
-LAYER_BUDGETS = ("uniform", "pyramid")
+LAYER_BUDGETS = ("uniform", "pyramid", "global")
 HEAD_BUDGETS = ("uniform", "ada")
 
 
@@ -37,6 +37,11 @@ class TopKPolicy(EvictionPolicy):
 
     - ``layer_budgets="pyramid"``: PyramidKV's linearly decreasing layer budgets with ratio
       ``beta`` (S5; the observation window sits outside the pyramid, as in its reference code).
+    - ``layer_budgets="global"``: the layers pool their budgets; with ``head_budgets="ada"``
+      every KV head of every layer competes for the pooled budget (Ada-KV's allocation over
+      all heads of all layers, safeguard ``alpha``; ``alpha = 0`` is KVzip's one global top-k
+      of its scores, S10.1). With ``head_budgets="uniform"`` every head keeps its share, as
+      with uniform layers. Not layerwise: every layer is observed first.
     - ``head_budgets="ada"``: Ada-KV's head-wise allocation of each layer's budget with the
       safeguard ``alpha`` (S6, the floor fraction of the uniform share); heads then hold
       different numbers of entries, stored ragged.
@@ -70,11 +75,15 @@ class TopKPolicy(EvictionPolicy):
         object.__setattr__(self, "recent", recent)
         proposals.check_pool_kernel(self.pool)
 
+    @property
+    def layerwise(self) -> bool:
+        return self.layer_budgets != "global" and super().layerwise
+
     def layer_budget(self, obs: LayerObservation, num_layers: int) -> int:
         """Kept entries per head of this layer (before the head allocation)."""
         t = obs.length
         mean = budgets.uniform_budget(t, self.ratio)
-        if self.layer_budgets == "uniform":
+        if self.layer_budgets != "pyramid":
             return mean
         # PyramidKV's reference code shapes only the budget beyond the observation window.
         window = 0 if obs.forced is None else min(int(obs.forced.sum(-1).max()), mean)
@@ -85,6 +94,8 @@ class TopKPolicy(EvictionPolicy):
     def select(
         self, observations: Sequence[LayerObservation], *, num_layers: int
     ) -> list[RaggedSelection]:
+        if self.layer_budgets == "global" and self.head_budgets == "ada" and self.ratio > 0:
+            return self._select_global(observations)
         out = []
         for obs in observations:
             if self.ratio == 0.0:
@@ -110,4 +121,39 @@ class TopKPolicy(EvictionPolicy):
             else:
                 head_budgets = uniform
             out.append(budgets.topk_per_head(log_scores, head_budgets, forced=forced))
+        return out
+
+    def _select_global(self, observations: Sequence[LayerObservation]) -> list[RaggedSelection]:
+        """One budget for every KV head of every layer (``layer_budgets="global"``): Ada-KV's
+        allocation over the stacked heads (ties: lower layer, lower head, later position),
+        then each head's top-``B_h`` (S6; KVzip's global top-k at ``alpha = 0``, S10.1)."""
+        lengths = {obs.length for obs in observations}
+        if len(lengths) != 1:
+            raise ValueError(
+                f"layer_budgets='global' needs every layer observed over the same prefix, got "
+                f"lengths {sorted(lengths)}"
+            )
+        per_head = budgets.uniform_budget(lengths.pop(), self.ratio)
+        log_scores, forced = [], []
+        for obs in observations:
+            obs = with_recent(obs, recent_count(self.recent, per_head))
+            full = torch.full((obs.num_heads,), per_head, dtype=torch.int64)
+            f = fit_forced(obs.forced, full)
+            log_scores.append(proposals.max_pool_log_scores(obs.log_scores, self.pool, forced=f))
+            forced.append(
+                f if f is not None else torch.zeros_like(obs.log_scores, dtype=torch.bool)
+            )
+        stacked = torch.cat(log_scores)
+        head_budgets = budgets.adakv_allocation(
+            stacked,
+            per_head * stacked.shape[0],
+            alpha=self.alpha,
+            forced=torch.cat([f.to(stacked.device) for f in forced]),
+            normalize=not scores.on_attention_scale(self.score),
+        )
+        out, first = [], 0
+        for ls, f in zip(log_scores, forced):
+            h = ls.shape[0]
+            out.append(budgets.topk_per_head(ls, head_budgets[first : first + h], forced=f))
+            first += h
         return out
