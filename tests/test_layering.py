@@ -16,6 +16,7 @@ MATHS = [
     "probkv.budgets",
     "probkv.hardness",
     "probkv.selection",
+    "probkv.reconstruction",
 ]
 FORBIDDEN_FOR_MATHS = [
     "transformers",

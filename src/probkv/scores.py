@@ -17,8 +17,10 @@ reference implementations do; see ``snapkv``.)
 observation window, S6): they count against the budget, and in the probabilistic variant
 they are a take-all stratum with weight 1 while the proposal covers the other entries.
 
-Single entry point for the integration layer: ``SCORE_NAMES``, ``column_sums_needed`` and
-``compute_scores``.
+Single entry point for the integration layer: ``SCORE_NAMES``, ``column_sums_needed``,
+``needs_reconstruction`` and ``compute_scores``. The ``RECONSTRUCTION_SCORES`` (KVzip, S10.1)
+are computed from the statistics of a second pass over a "repeat the context" prompt
+(``probkv.reconstruction``), passed as ``compute_scores(..., reconstruction=stats)``.
 """
 
 from __future__ import annotations
@@ -49,7 +51,13 @@ SCORE_NAMES: tuple[str, ...] = (
     "knorm",
     "streaming_llm",
     "uniform",
+    "kvzip",
+    "h2o-rec",
+    "min-rec",
 )
+
+# Scores read from the reconstruction pass (S10.1), not from the prefill's own attention.
+RECONSTRUCTION_SCORES: tuple[str, ...] = ("kvzip", "h2o-rec", "min-rec")
 
 # How snapkv combines the query heads of a GQA group (see snapkv).
 SNAPKV_GQA: tuple[str, ...] = ("mixture", "mean")
@@ -414,7 +422,17 @@ _PARAMS: dict[str, tuple[str, ...]] = {
     "knorm": (),
     "streaming_llm": ("sinks",),
     "uniform": (),
+    "kvzip": ("sinks", "chunk_tokens"),
+    "h2o-rec": ("sinks", "chunk_tokens", "alpha"),
+    "min-rec": ("sinks", "chunk_tokens", "alpha"),
 }
+
+
+def needs_reconstruction(name: str) -> bool:
+    """Whether score ``name`` comes from the reconstruction pass (S10.1: ``kvzip``,
+    ``h2o-rec``, ``min-rec``) rather than from the prefill's own attention."""
+    check_choice(name, SCORE_NAMES, "name")
+    return name in RECONSTRUCTION_SCORES
 
 
 def column_sums_needed(name: str) -> Literal["uniform", "harmonic"] | None:
@@ -452,6 +470,8 @@ def validate_params(name: str, params: dict[str, object]) -> None:
         check_choice(params["gqa"], SNAPKV_GQA, "gqa")
     if "sinks" in params:
         check_positive_int(params["sinks"], "sinks", allow_zero=True)
+    if "chunk_tokens" in params:
+        check_positive_int(params["chunk_tokens"], "chunk_tokens")
     if params.get("chunk_size") is not None:
         check_positive_int(params["chunk_size"], "chunk_size")
 
@@ -465,6 +485,7 @@ def compute_scores(
     scale: float,
     column_sums: torch.Tensor | None = None,
     chunk_size: int | None = None,
+    reconstruction: object | None = None,
     **params: object,
 ) -> Scores:
     """Score ``name`` (one of ``SCORE_NAMES``) for one layer.
@@ -480,11 +501,25 @@ def compute_scores(
             for that weighting; passing them for a score that needs none is an error.
         chunk_size: rows per chunk when the column sums are computed here (ignored by
             scores that need no column sums).
+        reconstruction: the ``ReconstructionStats`` of the layer's reconstruction pass,
+            required by (and only by) the ``RECONSTRUCTION_SCORES`` (S10.1).
         params: per score: ``alpha`` (GQA weights, attention scores), ``window``,
-            ``kernel``, ``pooling``, ``gqa`` (``snapkv``), ``sinks`` (``streaming_llm``).
+            ``kernel``, ``pooling``, ``gqa`` (``snapkv``), ``sinks`` (``streaming_llm`` and
+            the reconstruction scores), ``chunk_tokens`` (reconstruction scores).
     """
     check_choice(name, SCORE_NAMES, "name")
     validate_params(name, params)
+    if (reconstruction is not None) != (name in RECONSTRUCTION_SCORES):
+        raise ValueError(
+            f"score {name!r}: reconstruction statistics are required by, and only by, the "
+            f"scores {', '.join(RECONSTRUCTION_SCORES)} (S10.1: they come from the "
+            "reconstruction pass that probkv.hf.compress / observe run)"
+        )
+    if name in RECONSTRUCTION_SCORES:
+        # imported here: probkv.reconstruction builds its scores on this module's Scores
+        from probkv.reconstruction import reconstruction_scores
+
+        return reconstruction_scores(name, reconstruction, value, **params)
     if column_sums is not None and name not in _COLUMN_SUMS:
         raise ValueError(
             f"column_sums were given but score {name!r} uses none (only "
