@@ -523,3 +523,99 @@ def test_snapkv_gqa_mean_stays_finite_when_attention_underflows():
     got = snapkv(q, k, scale=SCALE, window=8, gqa="mean")
     assert torch.isfinite(got.log_scores).all()
     assert (got.log_scores[:, :32] >= math.log(FLOOR / 32) - 1e-4).all()
+
+
+# ------------------------------------------------ global budget (KVzip's global top-k, S10.1)
+
+
+def random_observations(num_layers, hkv, t, seed, forced_prefix=0):
+    """Observations with random log-scores (some exact ties) and a forced prefix."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(num_layers):
+        scores = torch.randint(0, 6, (hkv, t), generator=gen).float() - 3.0
+        scores += (
+            0.1 * torch.randn(hkv, t, generator=gen) * (torch.rand(hkv, t, generator=gen) < 0.5)
+        )
+        forced = None
+        if forced_prefix:
+            forced = torch.zeros(hkv, t, dtype=torch.bool)
+            forced[:, :forced_prefix] = True
+        out.append(LayerObservation(i, i, scores, forced, torch.full((hkv, t), 1.0 / t)))
+    return out
+
+
+def global_topk_reference(observations, budget_per_head):
+    """One competition over every (layer, head, position): forced entries first, then the
+    highest log-scores; ties to the lower layer, the lower head, the later position."""
+    entries, kept = [], {}
+    total = 0
+    for obs in observations:
+        for h in range(obs.num_heads):
+            total += budget_per_head
+            for i in range(obs.length):
+                forced = obs.forced is not None and bool(obs.forced[h, i])
+                entries.append((obs.layer_idx, h, i, forced, float(obs.log_scores[h, i])))
+    entries.sort(key=lambda e: (not e[3], -e[4], e[0], e[1], -e[2]))
+    for layer, h, i, _, _ in entries[:total]:
+        kept.setdefault((layer, h), set()).add(i)
+    return kept
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    num_layers=st.integers(1, 4),
+    hkv=st.integers(1, 3),
+    t=st.integers(1, 20),
+    ratio=st.sampled_from([0.1, 0.5, 0.75, 0.9]),
+    forced_prefix=st.integers(0, 3),
+    seed=st.integers(0, 10_000),
+)
+def test_kvzip_global_topk_is_one_competition_over_all_heads_and_layers(
+    num_layers, hkv, t, ratio, forced_prefix, seed
+):
+    """layer_budgets=global, head_budgets=ada, alpha=0 (the ``kvzip`` method, as KVzip's
+    reference evicts): the kept entries are the global top-(L H k) of the log-scores, forced
+    entries first, exactly; the total is exact, heads and layers keep different numbers."""
+    forced_prefix = min(forced_prefix, uniform_budget(t, ratio))
+    policy = TopKPolicy(
+        score="kvzip", ratio=ratio, layer_budgets="global", head_budgets="ada", alpha=0.0
+    )
+    assert policy == parse_method("kvzip", ratio=ratio) and not policy.layerwise
+    observations = random_observations(num_layers, hkv, t, seed, forced_prefix)
+    selections = policy.select(observations, num_layers=num_layers)
+    expected = global_topk_reference(observations, uniform_budget(t, ratio))
+    for obs, sel in zip(observations, selections):
+        for h, got in enumerate(kept_sets(sel)):
+            assert got == expected.get((obs.layer_idx, h), set())
+    assert sum(int(s.lengths.sum()) for s in selections) == num_layers * hkv * uniform_budget(
+        t, ratio
+    )
+
+
+def test_global_budgets_with_the_safeguard_and_with_uniform_heads():
+    """With alpha > 0 every head of every layer keeps at least floor(alpha k); with uniform
+    head budgets the pooled budget is split evenly (every head keeps k, as uniform layers)."""
+    observations = random_observations(3, 2, 40, seed=5)
+    k = uniform_budget(40, 0.75)
+    ada = TopKPolicy(score="kvzip", ratio=0.75, layer_budgets="global", head_budgets="ada")
+    selections = ada.select(observations, num_layers=3)
+    lengths = torch.cat([s.lengths for s in selections])
+    assert int(lengths.sum()) == 6 * k and int(lengths.min()) >= math.floor(0.2 * k)
+    assert len(set(lengths.tolist())) > 1
+    even = TopKPolicy(score="kvzip", ratio=0.75, layer_budgets="global")
+    uniform = TopKPolicy(score="kvzip", ratio=0.75)
+    for a, b in zip(
+        even.select(observations, num_layers=3), uniform.select(observations, num_layers=3)
+    ):
+        assert kept_sets(a) == kept_sets(b)
+    assert not even.layerwise and not uniform.layerwise  # kvzip needs the reconstruction pass
+    assert TopKPolicy(score="snapkv", layer_budgets="global").layerwise is False
+    assert TopKPolicy(score="snapkv").layerwise is True
+
+
+def test_global_budget_needs_one_prefix_length():
+    a, b = random_observations(1, 2, 10, seed=1)[0], random_observations(1, 2, 12, seed=2)[0]
+    policy = parse_method("kvzip", ratio=0.5)
+    with pytest.raises(ValueError, match="same prefix, got lengths"):
+        policy.select([a, b], num_layers=2)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from probkv import scores
+from probkv import reconstruction, scores
 from probkv.policies import (
     DEFAULT_SCORE_PARAMS,
     FullCache,
@@ -32,6 +32,8 @@ NAMED = [
     "pyramidkv",
     "ada_snapkv",
     "ada_pyramidkv",
+    "kvzip",
+    "ada_kvzip",
 ]
 
 
@@ -81,7 +83,13 @@ def test_default_score_params_are_the_score_functions_defaults_except_snapkv_gqa
     """The policies complete score_params with the maths layer's defaults (S6 window 32,
     kernel 7, max; 4 sinks), except SnapKV's GQA form, which follows the reference
     implementations (raw group mean) rather than S2's mixture (docs/methods.md)."""
-    functions = {"snapkv": scores.snapkv, "streaming_llm": scores.streaming_llm}
+    functions = {
+        "snapkv": scores.snapkv,
+        "streaming_llm": scores.streaming_llm,
+        "kvzip": reconstruction.kvzip,
+        "h2o-rec": reconstruction.h2o_reconstruction,
+        "min-rec": reconstruction.min_reconstruction,
+    }
     for name, params in DEFAULT_SCORE_PARAMS.items():
         signature = inspect.signature(functions[name]).parameters
         for key, value in params.items():
@@ -152,6 +160,7 @@ VALUES = {
     "gqa": ["mean", "mixture"],
     "sinks": ["0", "1", "4", "8"],
     "chunk_size": ["16", "64"],
+    "chunk_tokens": ["1", "100", "2000"],
 }
 
 
@@ -256,3 +265,40 @@ def test_empty_or_non_string_names_fail(spec):
 def test_bad_ratio_fails(ratio):
     with pytest.raises(ValueError, match="ratio must be"):
         parse_method("snapkv", ratio=ratio)
+
+
+def test_kvzip_names():
+    """kvzip is KVzip's global top-k (S10.1: one budget over all heads and layers, no
+    safeguard); ada_kvzip uses Ada-KV within each layer; the S10.1 proposals are scores."""
+    kvzip = parse_method("kvzip")
+    assert (kvzip.score, kvzip.layer_budgets, kvzip.head_budgets, kvzip.alpha) == (
+        "kvzip",
+        "global",
+        "ada",
+        0.0,
+    )
+    assert kvzip.score_params == {"sinks": 4, "chunk_tokens": 2000}
+    ada = parse_method("ada_kvzip")
+    assert (ada.layer_budgets, ada.head_budgets, ada.alpha) == ("uniform", "ada", 0.2)
+    cases = {
+        "topk:kvzip/layer_budgets=global/head_budgets=ada/alpha=0": "kvzip",
+        "kvzip/sinks=4/chunk_tokens=2000": "kvzip",
+        "topk:kvzip/head_budgets=ada": "ada_kvzip",
+        "ada_kvzip/layer_budgets=global": "ada_kvzip/layer_budgets=global",
+        "topk:kvzip": "topk:kvzip",
+        "prob:kvzip/chunk_tokens=512/sinks=0": "prob:kvzip/chunk_tokens=512/sinks=0",
+        "prob:min-rec/scope=global": "prob:min-rec/scope=global",
+        "topk:h2o-rec": "topk:h2o-rec",
+        "snapkv/layer_budgets=global": "snapkv/layer_budgets=global",
+    }
+    for spec, canonical in cases.items():
+        assert method_name(parse_method(spec)) == canonical
+        assert parse_method(canonical) == parse_method(spec)
+    with pytest.raises(ValueError, match="option 'alpha' is fixed for method 'kvzip'"):
+        parse_method("kvzip/alpha=0.2")
+    with pytest.raises(ValueError, match="chunk_tokens must be >= 1, got 0"):
+        parse_method("prob:kvzip/chunk_tokens=0")
+    with pytest.raises(
+        ValueError, match="layer_budgets must be one of 'uniform', 'pyramid', 'global'"
+    ):
+        parse_method("snapkv/layer_budgets=all")

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from probkv._checks import check_choice, check_ratio
+from probkv.scores import needs_reconstruction
 from probkv.selection import RaggedSelection
 
 # The score parameters a policy uses unless told otherwise: the defaults of the score functions
@@ -32,6 +33,10 @@ from probkv.selection import RaggedSelection
 DEFAULT_SCORE_PARAMS: dict[str, dict[str, object]] = {
     "snapkv": {"window": 32, "kernel": 7, "pooling": "max", "gqa": "mean"},
     "streaming_llm": {"sinks": 4},
+    # reconstruction scores (S10.1): kvpress's 4 sinks, KVzip's 2000-token chunks
+    "kvzip": {"sinks": 4, "chunk_tokens": 2000},
+    "h2o-rec": {"sinks": 4, "chunk_tokens": 2000},
+    "min-rec": {"sinks": 4, "chunk_tokens": 2000},
 }
 
 
@@ -71,8 +76,9 @@ class EvictionPolicy(ABC):
     def layerwise(self) -> bool:
         """True when each layer's selection depends on that layer alone, so a layer can be
         evicted right after its prefill attention (lower peak memory). False for the global
-        budget scope (S3), which needs every layer's proposal first."""
-        return True
+        budget scope (S3), which needs every layer's proposal first, and for scores read from
+        the reconstruction pass (S10.1), which runs after every layer's prefill."""
+        return not needs_reconstruction(self.score)
 
     @abstractmethod
     def select(

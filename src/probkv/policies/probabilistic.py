@@ -97,7 +97,8 @@ class ProbabilisticPolicy(EvictionPolicy):
 
     @property
     def layerwise(self) -> bool:
-        return self.scope == "head" or self.ratio == 0.0
+        # per-head scope decides layer by layer, unless the score needs the reconstruction pass
+        return (self.scope == "head" or self.ratio == 0.0) and super().layerwise
 
     @property
     def corrected(self) -> bool:

@@ -4,13 +4,13 @@ Grammar (docs/methods.md lists every name, option and default)::
 
     METHOD      := NAME ( "/" KEY "=" VALUE )*
     NAME        := full | streaming_llm | h2o | snapkv | tova | knorm | pyramidkv
-                 | ada_snapkv | ada_pyramidkv | topk:SCORE | prob:SCORE
+                 | ada_snapkv | ada_pyramidkv | kvzip | ada_kvzip | topk:SCORE | prob:SCORE
     SCORE       := a name in probkv.scores.SCORE_NAMES (h2o, h2o-h, min, min-h, snapkv, ...)
 
 Options (``KEY=VALUE``) are the policy's fields (``tau``, ``scope``, ``sampler``, ``weights``,
 ``correct``, ``seed``, ``proposal_tau``, ``uniform_mix``, ``recent``, ``alpha``, ``beta``, ...)
 and the score's parameters (``window``, ``kernel``, ``pooling``, ``gqa``, ``sinks``,
-``chunk_size``). Values: numbers, ``inf``, ``true``/``false``, or words. Examples:
+``chunk_size``, ``chunk_tokens``). Values: numbers, ``inf``, ``true``/``false``, or words. Examples:
 ``snapkv/window=64``, ``prob:min-h/tau=2/scope=global``, ``prob:h2o/correct=false``.
 
 ``method_name(policy)`` gives the canonical name: the most specific named method the policy is
@@ -61,6 +61,12 @@ NAMED_METHODS: dict[str, tuple[type[EvictionPolicy], dict]] = {
         TopKPolicy,
         {"score": "snapkv", "layer_budgets": "pyramid", "head_budgets": "ada"},
     ),
+    # KVzip (S10.1): its reference evicts by one global top-k over all heads and layers
+    "kvzip": (
+        TopKPolicy,
+        {"score": "kvzip", "layer_budgets": "global", "head_budgets": "ada", "alpha": 0.0},
+    ),
+    "ada_kvzip": (TopKPolicy, {"score": "kvzip", "head_budgets": "ada"}),
 }
 FAMILIES: dict[str, type[EvictionPolicy]] = {"topk": TopKPolicy, "prob": ProbabilisticPolicy}
 

@@ -27,13 +27,16 @@ from probkv.policies.base import (
 )
 from probkv.selection import RaggedSelection
 
-LAYER_BUDGETS = ("uniform", "pyramid")
+LAYER_BUDGETS = ("uniform", "pyramid", "global")
 HEAD_BUDGETS = ("uniform", "ada")
 
 # Scores that are logs of attention probabilities (S2): Ada-KV compares them across the heads
 # of a layer as they are, like its reference code compares raw attention. The others (key
 # norms, synthetic recency, uniform) are first made distributions per head (softmax, S2).
-_ATTENTION_SCALE_SCORES = ("h2o", "h2o-h", "min", "min-h", "snapkv", "tova")
+_ATTENTION_SCALE_SCORES = (
+    *("h2o", "h2o-h", "min", "min-h", "snapkv", "tova"),
+    *("kvzip", "h2o-rec", "min-rec"),  # reconstruction attention (S10.1)
+)
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,11 @@ class TopKPolicy(EvictionPolicy):
 
     - ``layer_budgets="pyramid"``: PyramidKV's linearly decreasing layer budgets with ratio
       ``beta`` (S5; the observation window sits outside the pyramid, as in its reference code).
+    - ``layer_budgets="global"``: the layers pool their budgets; with ``head_budgets="ada"``
+      every KV head of every layer competes for the pooled budget (Ada-KV's allocation over
+      all heads of all layers, safeguard ``alpha``; ``alpha = 0`` is KVzip's one global top-k
+      of the scores, S10.1). With ``head_budgets="uniform"`` every head keeps its share, as
+      with uniform layers. Not layerwise: every layer is observed first.
     - ``head_budgets="ada"``: Ada-KV's head-wise allocation of each layer's budget with the
       safeguard ``alpha`` (S6, the floor fraction of the uniform share); heads then hold
       different numbers of entries, stored ragged.
@@ -71,11 +79,15 @@ class TopKPolicy(EvictionPolicy):
         recent = check_fraction(self.recent, "recent", what="share of the budget kept recent")
         object.__setattr__(self, "recent", recent)
 
+    @property
+    def layerwise(self) -> bool:
+        return self.layer_budgets != "global" and super().layerwise
+
     def layer_budget(self, obs: LayerObservation, num_layers: int) -> int:
         """Kept entries per head of this layer (before the head allocation)."""
         t = obs.length
         mean = budgets.uniform_budget(t, self.ratio)
-        if self.layer_budgets == "uniform":
+        if self.layer_budgets != "pyramid":
             return mean
         # PyramidKV's reference code shapes only the budget beyond the observation window.
         window = 0 if obs.forced is None else min(int(obs.forced.sum(-1).max()), mean)
@@ -86,6 +98,8 @@ class TopKPolicy(EvictionPolicy):
     def select(
         self, observations: Sequence[LayerObservation], *, num_layers: int
     ) -> list[RaggedSelection]:
+        if self.layer_budgets == "global" and self.head_budgets == "ada" and self.ratio > 0:
+            return self._select_global(observations)
         out = []
         for obs in observations:
             if self.ratio == 0.0:
@@ -107,4 +121,42 @@ class TopKPolicy(EvictionPolicy):
             else:
                 head_budgets = uniform
             out.append(budgets.topk_per_head(obs.log_scores, head_budgets, forced=forced))
+        return out
+
+    def _select_global(self, observations: Sequence[LayerObservation]) -> list[RaggedSelection]:
+        """One budget for every KV head of every layer (``layer_budgets="global"``): Ada-KV's
+        allocation over the stacked heads (ties: lower layer, lower head, later position),
+        then each head's top-``B_h`` (S6; KVzip's global top-k at ``alpha = 0``, S10.1)."""
+        lengths = {obs.length for obs in observations}
+        if len(lengths) != 1:
+            raise ValueError(
+                f"layer_budgets='global' needs every layer observed over the same prefix, got "
+                f"lengths {sorted(lengths)}"
+            )
+        per_head = budgets.uniform_budget(lengths.pop(), self.ratio)
+        prepared, forced = [], []
+        for obs in observations:
+            obs = with_recent(obs, recent_count(self.recent, per_head))
+            full = torch.full((obs.num_heads,), per_head, dtype=torch.int64)
+            prepared.append(obs)
+            forced.append(fit_forced(obs.forced, full))
+        scores = torch.cat([obs.log_scores for obs in prepared])
+        masks = [
+            f if f is not None else torch.zeros_like(o.log_scores, dtype=torch.bool)
+            for o, f in zip(prepared, forced)
+        ]
+        head_budgets = budgets.adakv_allocation(
+            scores,
+            per_head * scores.shape[0],
+            alpha=self.alpha,
+            forced=torch.cat([m.to(scores.device) for m in masks]),
+            normalize=self.score not in _ATTENTION_SCALE_SCORES,
+        )
+        out, first = [], 0
+        for obs, f in zip(prepared, forced):
+            h = obs.num_heads
+            out.append(
+                budgets.topk_per_head(obs.log_scores, head_budgets[first : first + h], forced=f)
+            )
+            first += h
         return out
