@@ -9,6 +9,7 @@ Verified with transformers==5.24.0 (pinned).
 
 from probkv.hf.cache import EvictingLayer, LayerReport, ProbKVCache
 from probkv.hf.model import SUPPORTED_MODEL_TYPES, check_model_supported, prepare_model
+from probkv.hf.reconstruction import RepeatPrompt, reconstruct, repeat_prompt
 from probkv.hf.workflow import answer, compress, generate, observe
 
 __all__ = [
@@ -16,10 +17,13 @@ __all__ = [
     "EvictingLayer",
     "LayerReport",
     "ProbKVCache",
+    "RepeatPrompt",
     "answer",
     "check_model_supported",
     "compress",
     "generate",
     "observe",
     "prepare_model",
+    "reconstruct",
+    "repeat_prompt",
 ]

@@ -49,7 +49,9 @@ def probkv_attention_forward(
     layer._awaiting_attention = False
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q_len = query.shape[2]
-    if layer.is_evicted:
+    if layer.reconstruction is not None:  # reconstruction pass (S10.1): probkv.hf.reconstruction
+        out = layer.reconstruction.attend(layer, query[0], scale)
+    elif layer.is_evicted:
         out = evicted_attention(layer, query[0], scale)
     elif layer.report is None and layer.observation is None and layer.tail_length == q_len:
         out = observe_prefill(layer, query[0], key[0], value[0], scale)
@@ -68,6 +70,11 @@ def observe_prefill(layer, query, key, value, scale: float) -> torch.Tensor:
     same post-RoPE tensors (one chunked pass when the score needs every row, S2)."""
     policy = layer.policy
     t = key.shape[1]
+    if score_fns.needs_reconstruction(policy.score):
+        # S10.1: the scores come from the reconstruction pass run after every layer's prefill
+        # (probkv.hf.reconstruction); keep p_t for the eviction report until then.
+        layer.pending_reconstruction = _last_query_attention(query, key, scale)
+        return dense_attention(query, key, value, scale)
     weighting = score_fns.column_sums_needed(policy.score)
     column_sums = None
     if weighting is not None:
@@ -85,19 +92,23 @@ def observe_prefill(layer, query, key, value, scale: float) -> torch.Tensor:
     scores = score_fns.compute_scores(
         policy.score, query, key, value, scale=scale, column_sums=column_sums, **policy.score_params
     )
-    last = kernels.attention_rows(
-        query[:, -1:], key, scale=scale, row_positions=torch.tensor([t - 1], device=query.device)
-    )[:, 0]  # [Hq, t]
-    h = key.shape[0]
-    last_query_attention = last.float().view(h, -1, t).mean(1)
     layer.observation = LayerObservation(
         layer_idx=layer.layer_idx,
         rank=layer.rank,
         log_scores=scores.log_scores,
         forced=scores.forced,
-        last_query_attention=last_query_attention,
+        last_query_attention=_last_query_attention(query, key, scale),
     )
     return out
+
+
+def _last_query_attention(query, key, scale: float) -> torch.Tensor:
+    """``[Hkv, t]``: the last query's attention ``p_t``, averaged over each GQA group (S6)."""
+    t = key.shape[1]
+    last = kernels.attention_rows(
+        query[:, -1:], key, scale=scale, row_positions=torch.tensor([t - 1], device=query.device)
+    )[:, 0]  # [Hq, t]
+    return last.float().view(key.shape[0], -1, t).mean(1)
 
 
 def dense_attention(

@@ -116,6 +116,11 @@ class EvictingLayer(CacheLayerMixin):
         self.observation: LayerObservation | None = None
         self.report: LayerReport | None = None
         self._awaiting_attention = False
+        # Reconstruction scores (KVzip, S10.1; probkv.hf.reconstruction): after the prefill the
+        # layer waits for the reconstruction pass, keeping p_t [Hkv, t] for its report here;
+        # during the pass ``reconstruction`` (a LayerScoring) takes each chunk, never stored.
+        self.pending_reconstruction: torch.Tensor | None = None
+        self.reconstruction = None
 
     # ----------------------------------------------------------------- protocol
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -147,6 +152,12 @@ class EvictingLayer(CacheLayerMixin):
                 "probkv needs transformers to pass the attention kwargs to cache.update(..., kwargs=...) "
                 "(transformers==5.24.0 does); this transformers version does not."
             )
+        if self.reconstruction is not None:
+            # reconstruction pass (S10.1): the chunk attends to the cache but is not stored
+            self.reconstruction.keys, self.reconstruction.values = key_states, value_states
+            kwargs[KWARGS_CHANNEL_KEY] = self
+            self._awaiting_attention = True
+            return self.tail_keys, self.tail_values
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self._append_tail(key_states, value_states)
@@ -373,6 +384,13 @@ class ProbKVCache(Cache):
         # A new forward starts at layer 0: evict first if prefill left a global decision pending.
         if layer_idx == 0 and self.eviction_pending:
             self.evict()
+        if layer_idx == 0 and self.awaiting_reconstruction:
+            raise ValueError(
+                f"score {self.policy.score!r} is read from a reconstruction pass over the context "
+                "(KVzip, S10.1), a second model run that a cache cannot start from inside "
+                "generate() or a forward; build the cache with probkv.hf.compress(model, ids, "
+                "policy, repeat_prompt=...) or probkv.hf.observe(...)"
+            )
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -380,6 +398,16 @@ class ProbKVCache(Cache):
         return self.layers[self.evicting_layers[0]].get_seq_length()
 
     # ---------------------------------------------------------------- eviction
+    @property
+    def awaiting_reconstruction(self) -> bool:
+        """The prefill observed a reconstruction score (S10.1) and the pass has not run (a
+        forward in scoring mode, run by probkv.hf.reconstruction, is not waiting)."""
+        return any(
+            self.layers[i].pending_reconstruction is not None
+            and self.layers[i].reconstruction is None
+            for i in self.evicting_layers
+        )
+
     @property
     def eviction_pending(self) -> bool:
         """Every evicting layer observed its prefill and waits for the policy (global scope)."""
@@ -403,8 +431,13 @@ class ProbKVCache(Cache):
         layers = [self.layers[i] for i in self.evicting_layers]
         missing = [layer.layer_idx for layer in layers if layer.observation is None]
         if missing:
+            detail = (
+                " (they wait for the reconstruction pass, S10.1: use probkv.hf.compress or observe)"
+                if self.awaiting_reconstruction
+                else ""
+            )
             raise ValueError(
-                f"cannot evict before prefill: layers {missing} have not been observed"
+                f"cannot evict before prefill: layers {missing} have not been observed{detail}"
             )
         todo = [layer for layer in layers if not layer.is_evicted]
         num_layers = len(self.evicting_layers)

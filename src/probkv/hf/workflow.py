@@ -13,6 +13,7 @@ import torch
 
 from probkv.hf.cache import EvictingLayer, ObserveOnly, ProbKVCache
 from probkv.hf.model import is_prepared
+from probkv.hf.reconstruction import RepeatPrompt, reconstruct
 from probkv.policies.base import EvictionPolicy
 
 
@@ -37,16 +38,26 @@ def _check_prepared(model) -> None:
 
 
 @torch.no_grad()
-def compress(model, context_ids: torch.Tensor, policy: EvictionPolicy) -> ProbKVCache:
+def compress(
+    model,
+    context_ids: torch.Tensor,
+    policy: EvictionPolicy,
+    *,
+    repeat_prompt: RepeatPrompt | None = None,
+) -> ProbKVCache:
     """Prefill ``context_ids`` into a new ``ProbKVCache`` and evict with ``policy``.
 
     Returns the compressed cache; it remembers the context ids (``cache.token_ids``) so that
-    generation can continue from it with true positions.
+    generation can continue from it with true positions. Scores read from a reconstruction
+    pass (``kvzip``, ``h2o-rec``, ``min-rec``; S10.1) run it between prefill and eviction, with
+    ``repeat_prompt`` (``probkv.hf.repeat_prompt(tokenizer)``; see ``reconstruct``).
     """
     _check_prepared(model)
     ids = _as_ids(context_ids).to(model.device)
     cache = ProbKVCache(model.config, policy)
     model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)  # no [t, vocab] logits
+    if cache.awaiting_reconstruction:
+        reconstruct(model, cache, ids, repeat_prompt)
     if cache.eviction_pending:
         cache.evict()
     cache.token_ids = ids
@@ -55,18 +66,26 @@ def compress(model, context_ids: torch.Tensor, policy: EvictionPolicy) -> ProbKV
 
 @torch.no_grad()
 def observe(
-    model, context_ids: torch.Tensor, score: str, score_params: dict | None = None
+    model,
+    context_ids: torch.Tensor,
+    score: str,
+    score_params: dict | None = None,
+    *,
+    repeat_prompt: RepeatPrompt | None = None,
 ) -> ProbKVCache:
     """Prefill ``context_ids`` and observe ``score`` without evicting: copy the result
     (``copy.deepcopy``) and call ``cache.evict(policy)`` once per policy that observes the
     same score and parameters (e.g. several ratios, samplers or weights) to pay one prefill
-    for all of them. Each copy evicts exactly as ``compress`` with that policy would."""
+    for all of them. Each copy evicts exactly as ``compress`` with that policy would
+    (reconstruction scores run their pass here, with ``repeat_prompt``, S10.1)."""
     _check_prepared(model)
     ids = _as_ids(context_ids).to(model.device)
     cache = ProbKVCache(
         model.config, ObserveOnly(score=score, ratio=0.0, score_params=dict(score_params or {}))
     )
     model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+    if cache.awaiting_reconstruction:
+        reconstruct(model, cache, ids, repeat_prompt)
     cache.token_ids = ids
     return cache
 
