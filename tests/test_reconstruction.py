@@ -70,7 +70,7 @@ def test_float32_output_is_sdpa_with_the_offset_causal_mask():
     """What the model computes in the pass: causal attention of the chunk after the cache."""
     t, n, hkv, g = 40, 17, 2, 2
     q, k, v = make_chunk(t, n, hkv, g, d=16, seed=3, dtype=torch.float32)
-    out, mx, sums = reconstruction_attention(q, k, v, context_length=t, scale=0.25)
+    out, mx, _ = reconstruction_attention(q, k, v, context_length=t, scale=0.25)
     mask = torch.arange(t + n)[None, :] <= (t + torch.arange(n))[:, None]
     expected = torch.nn.functional.scaled_dot_product_attention(
         q[None], k[None], v[None], attn_mask=mask, scale=0.25, enable_gqa=True
