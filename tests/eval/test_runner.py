@@ -242,6 +242,26 @@ def test_shared_prefill_equals_compress(arch_dir, data_file, tmp_path, request):
     assert fast.jobs_run == slow.jobs_run == len(fast_rows)
 
 
+def test_kvzip_methods_share_one_reconstruction_pass(tiny_gemma_dir, data_file, tmp_path):
+    """kvzip, ada_kvzip and prob:kvzip observe the same reconstruction scores (S10.1): one
+    prefill and one pass per example serve every ratio, with the rows compress gives."""
+    cfg = config(
+        tiny_gemma_dir,
+        data_file,
+        methods=("kvzip", "ada_kvzip", "prob:kvzip", "prob:min-rec"),
+        ratios=(0.5, 0.75),
+    )
+    fast = run_eval(cfg, tmp_path / "fast", progress=False)
+    slow = run_eval(cfg, tmp_path / "slow", progress=False, reuse_prefill=False)
+    fast_rows = rn.read_results(tmp_path / "fast" / rn.RESULTS_FILE)
+    slow_rows = rn.read_results(tmp_path / "slow" / rn.RESULTS_FILE)
+    assert max(r["shared_prefill"] for r in fast_rows) == 3 * 2
+    assert keyed(fast_rows) == keyed(slow_rows)
+    assert fast.jobs_run == slow.jobs_run == len(fast_rows) == 3 * 4 * 2
+    for r in fast_rows:
+        assert abs(r["effective_ratio"] - r["ratio"]) < 0.01
+
+
 def test_two_workers_give_the_same_results(tiny_dir, data_file, tmp_path):
     cfg = config(tiny_dir, data_file, methods=("full", "snapkv", "prob:min-h"), ratios=(0.5,))
     one = run_eval(cfg, tmp_path / "w1", progress=False, workers=1)

@@ -369,8 +369,9 @@ def run_unit(model, tokenizer, unit: Unit, settings: JobSettings) -> Iterator[di
     ``model`` must be prepared (``probkv.hf.prepare_model``)."""
     import torch
 
-    from probkv.hf import compress, observe
+    from probkv.hf import compress, observe, repeat_prompt
     from probkv.policies import parse_method
+    from probkv.scores import needs_reconstruction
 
     ex = unit.example
     context_ids, question_ids = prompt_token_ids(ex, tokenizer)
@@ -409,18 +410,20 @@ def run_unit(model, tokenizer, unit: Unit, settings: JobSettings) -> Iterator[di
         yield row(FULL, unit.jobs[0][1], *_run_full(model, before_t, after_t, gen_kw))
         return
 
+    # KVzip-style scores (S10.1) reconstruct the context with the tokenizer's repeat prompt.
+    first = parse_method(*unit.jobs[0])
+    rec = {"repeat_prompt": repeat_prompt(tokenizer)} if needs_reconstruction(first.score) else {}
     if len(unit.jobs) == 1:
         method, ratio = unit.jobs[0]
         start = time.perf_counter()
-        cache = compress(model, before_t, parse_method(method, ratio))
+        cache = compress(model, before_t, parse_method(method, ratio), **rec)
         prefill_s = time.perf_counter() - start
         yield row(method, ratio, *_decode(model, cache, after_t, gen_kw, prefill_s, 1))
         return
 
     # Shared prefill: observe once, copy the observed cache and evict it once per job.
-    first = parse_method(*unit.jobs[0])
     start = time.perf_counter()
-    observed = observe(model, before_t, first.score, first.score_params)
+    observed = observe(model, before_t, first.score, first.score_params, **rec)
     shared_s = time.perf_counter() - start
     for i, (method, ratio) in enumerate(unit.jobs):
         policy = parse_method(method, ratio)
