@@ -1,4 +1,4 @@
-"""Speed and memory of probkv's chunked causal attention kernel (SPEC S2 chunking).
+"""Speed and memory of probkv's chunked causal attention kernel (S2 chunking).
 
 ``probkv.attention.causal_attention_with_column_sums`` runs inside the prefill attention of
 every layer when a policy needs attention statistics, so it is timed against what the layer

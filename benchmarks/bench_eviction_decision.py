@@ -1,4 +1,4 @@
-"""Cost of probkv's eviction decision for a whole model (SPEC S2, S3).
+"""Cost of probkv's eviction decision for a whole model (S2, S3).
 
 The decision of ``prob:min-h`` with the global budget scope, for SmolLM2-135M's shape (30 layers,
 Hq = 9 query heads, Hkv = 3 KV heads, head dim 64), on random float32 tensors, in three stages:

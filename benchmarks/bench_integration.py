@@ -1,4 +1,4 @@
-"""Speed and memory of probkv inside a real model (issue 4; SPEC S3, S4, S6).
+"""Speed and memory of probkv inside a real model (issue 4; S3, S4, S6).
 
 On SmolLM2-135M and contexts of 2k, 4k and 8k tokens this prints, measured side by side in one
 run (alternating the variants, best of ``--repeats``):

@@ -1,4 +1,4 @@
-"""Cost of KVzip's reconstruction scoring against a plain prefill (SPEC S10.1).
+"""Cost of KVzip's reconstruction scoring against a plain prefill (S10.1).
 
 On SmolLM2-135M with contexts of 2k and 4k tokens this prints, measured side by side in one
 run (alternating the variants, best of ``--repeats``):

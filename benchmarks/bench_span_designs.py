@@ -1,4 +1,4 @@
-"""Cost of the span-preserving pps designs (SPEC S10.2-S10.4) next to S9's pps, side by side.
+"""Cost of the span-preserving pps designs (S10.2-S10.4) next to S9's pps, side by side.
 
 For SmolLM2-135M's shape (30 layers, 3 KV heads), on random log-scores with a SnapKV-like
 32-entry window forced, times ``ProbabilisticPolicy.select`` for every layer (per-head scope,

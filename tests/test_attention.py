@@ -1,4 +1,4 @@
-"""Tests of probkv.attention: the chunked causal kernel and its column sums (SPEC S1, S2).
+"""Tests of probkv.attention: the chunked causal kernel and its column sums (S1, S2).
 
 Every result is compared with a dense ``t x t`` reference written as plainly as possible.
 Float64 inputs are computed in float64 by the kernel, so those comparisons check the logic

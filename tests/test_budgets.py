@@ -1,4 +1,4 @@
-"""Budgets and top-k selection (SPEC S5, S6): uniform, PyramidKV, Ada-KV, top-k per head."""
+"""Budgets and top-k selection (S5, S6): uniform, PyramidKV, Ada-KV, top-k per head."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Tests of probkv.designs: span-preserving pps designs (SPEC S10.2-S10.4).
+"""Tests of probkv.designs: span-preserving pps designs (S10.2-S10.4).
 
 References are written here from the definitions: iterative capping with unit sizes (S10.3),
 systematic sampling as "unit k is kept iff its interval holds a point u + j", evaluated in exact

@@ -1,4 +1,4 @@
-"""Tests of probkv.estimator (SPEC S4 decode-time correction, S9 weight schemes).
+"""Tests of probkv.estimator (S4 decode-time correction, S9 weight schemes).
 
 Statistical tests use fixed seeds. z-tests use the sample standard error over S independent
 replicates (S >= 4000, so the mean is normal to a good approximation) and reject at |z| > 4.5:

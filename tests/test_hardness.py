@@ -1,4 +1,4 @@
-"""KVEviction hardness (SPEC S8): exact solvers agree, the Partition reduction decides Partition."""
+"""KVEviction hardness (S8): exact solvers agree, the Partition reduction decides Partition."""
 
 from __future__ import annotations
 

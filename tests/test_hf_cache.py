@@ -1,4 +1,4 @@
-"""The evicting cache inside real transformers models (SPEC S3, S4, S6; issue 4).
+"""The evicting cache inside real transformers models (S3, S4, S6; issue 4).
 
 The oracle for every decode step is the full dense cache with a per-layer, per-KV-head additive
 bias on the attention logits: ``log w`` on kept prefix entries, ``-inf`` on evicted ones, ``0``

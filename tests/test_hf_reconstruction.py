@@ -1,4 +1,4 @@
-"""KVzip's reconstruction pass inside real transformers models (SPEC S10.1).
+"""KVzip's reconstruction pass inside real transformers models (S10.1).
 
 The oracle: run the model densely (eager attention) over the context followed by one
 reconstruction chunk and read its attention probabilities at the chunk's rows; KVzip's score

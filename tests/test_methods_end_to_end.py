@@ -1,4 +1,4 @@
-"""Every registered method runs end to end: compress a context, answer, decode (SPEC S3-S6).
+"""Every registered method runs end to end: compress a context, answer, decode (S3-S6).
 
 On a tiny random model of every supported architecture and on SmolLM2 (slow), at r = 0.5:
 ``probkv.hf.compress`` prefills and evicts with the method, ``probkv.hf.answer`` decodes a few

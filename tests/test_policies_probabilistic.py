@@ -1,4 +1,4 @@
-"""Probabilistic eviction policies: proposals from every score, sampling, weights (SPEC S2-S4, S9).
+"""Probabilistic eviction policies: proposals from every score, sampling, weights (S2-S4, S9).
 
 Every score is also a proposal (``prob:<score>``, Appendix D of the paper): checked here for
 full support on the entries that are not forced, for the take-all stratum of forced entries

@@ -1,4 +1,4 @@
-"""Deterministic top-k policies against slow references written from the papers (SPEC S5, S6).
+"""Deterministic top-k policies against slow references written from the papers (S5, S6).
 
 Every top-k method (StreamingLLM, H2O, SnapKV, TOVA, K-norm, PyramidKV, Ada-SnapKV,
 Ada-PyramidKV and the top-k of the S2 proposals) must keep exactly the entries a plainly

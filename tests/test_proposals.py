@@ -1,5 +1,5 @@
 """Tests of probkv.proposals: temperature, uniform mixing, floor, forced entries, GQA
-mixture, and the proposal of every named score (SPEC S2, S6).
+mixture, and the proposal of every named score (S2, S6).
 
 References are plain float64 formulas written in this file; outputs are float32, so
 comparisons allow float32 rounding of probabilities (relative 2^-24 ~ 6e-8; tolerance 1e-6).

@@ -1,4 +1,4 @@
-"""Reconstruction rows and the scores made of them (SPEC S10.1; probkv.reconstruction).
+"""Reconstruction rows and the scores made of them (S10.1; probkv.reconstruction).
 
 The kernel is compared with a dense, one-row-at-a-time reference in float64 (GQA, causal
 masking among the reconstruction tokens, any chunk size); the scores with their formulas.

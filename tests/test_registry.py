@@ -1,5 +1,5 @@
 """The method registry: one name per method for the Python API, the CLI and results files
-(SPEC S5, S9; grammar in probkv.policies.registry and docs/methods.md)."""
+(S5, S9; grammar in probkv.policies.registry and docs/methods.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Tests of probkv.sampling and probkv.sample_size (SPEC S3 sampling and number of samples,
+"""Tests of probkv.sampling and probkv.sample_size (S3 sampling and number of samples,
 S9 pps).
 
 Statistical tests use fixed seeds and tolerances of ``Z`` standard errors computed from the

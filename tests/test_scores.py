@@ -1,4 +1,4 @@
-"""Tests of probkv.scores: classic scores as log-scores (SPEC S2, S5, S6).
+"""Tests of probkv.scores: classic scores as log-scores (S2, S5, S6).
 
 Each score is compared with a dense reference built from the full ``t x t`` causal softmax,
 written plainly (loops) in this file. Inputs are float64, which the kernels compute in

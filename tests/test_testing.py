@@ -97,7 +97,7 @@ def _global_layers(model) -> list[int]:
 
 @pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
 def test_tiny_attention_is_far_from_uniform(arch, prompt_ids):
-    """The init scale makes attention peaked, so eviction (SPEC S1) is visible in the output.
+    """The init scale makes attention peaked, so eviction (S1) is visible in the output.
 
     Normalised entropy H(p) / log t of the last query's attention is 1 for uniform attention;
     averaged over the heads of every global layer it must be at most 0.9.

@@ -13,7 +13,7 @@ import torch
 
 
 def check_ratio(ratio: float, name: str = "ratio") -> float:
-    """Compression ratio ``r`` (SPEC S1): the fraction of prefix entries evicted, in [0, 1)."""
+    """Compression ratio ``r`` (S1): the fraction of prefix entries evicted, in [0, 1)."""
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
         raise ValueError(f"{name} must be a number in [0, 1), got {ratio!r}")
     r = float(ratio)
@@ -39,7 +39,7 @@ def check_positive_int(value: int, name: str, *, allow_zero: bool = False) -> in
 
 
 def check_tau(tau: float, name: str = "tau") -> float:
-    """Temperature of the importance weights (SPEC S4): ``tau > 0``; ``inf`` means no correction."""
+    """Temperature of the importance weights (S4): ``tau > 0``; ``inf`` means no correction."""
     if isinstance(tau, bool) or not isinstance(tau, (int, float)) or math.isnan(tau) or tau <= 0:
         raise ValueError(f"{name} must be > 0 (float('inf') disables correction), got {tau!r}")
     return float(tau)

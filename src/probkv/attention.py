@@ -1,4 +1,4 @@
-"""Exact causal attention in row chunks, with weighted column sums (SPEC S1, S2).
+"""Exact causal attention in row chunks, with weighted column sums (S1, S2).
 
 Every attention-derived statistic of probkv comes from here. ``p_j(i)`` is the causal softmax
 of query row ``j`` over keys ``i <= j`` (S1). The kernel walks the rows in chunks; a chunk of

@@ -1,4 +1,4 @@
-"""How many entries each layer and each KV head keeps, and which ones (SPEC S5, S6).
+"""How many entries each layer and each KV head keeps, and which ones (S5, S6).
 
 Budgets are integers that add up exactly: a layer's heads share its budget ``B`` without losing or
 inventing a single entry, and PyramidKV's layers share ``num_layers * mean_budget`` exactly.

@@ -1,4 +1,4 @@
-"""Span-preserving sampling designs for fixed-size pps eviction (SPEC S10.2-S10.4).
+"""Span-preserving sampling designs for fixed-size pps eviction (S10.2-S10.4).
 
 S9's pps keeps entry ``i`` with probability ``P_i = min(1, lam pi_i)`` by systematic sampling in
 position order, which thins contiguous spans: neighbours with ``P ~ 1/k`` are kept about one in

@@ -1,4 +1,4 @@
-"""Decode-time correction: importance log-weights and corrected attention (SPEC S4, S9).
+"""Decode-time correction: importance log-weights and corrected attention (S4, S9).
 
 A kept prefix entry ``i`` carries a log-weight ``log w_i``; at every decode step its attention
 logit becomes ``scale * q . k_i + log w_i`` while entries created after eviction get no weight,

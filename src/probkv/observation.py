@@ -1,4 +1,4 @@
-"""What one layer's prefill shows an eviction policy, from its real tensors (SPEC S2, S6).
+"""What one layer's prefill shows an eviction policy, from its real tensors (S2, S6).
 
 ``observe_layer`` is the one place where a layer's post-RoPE prefill ``query``, ``key`` and
 ``value`` become its attention output and a ``LayerObservation``: the policy's log-scores

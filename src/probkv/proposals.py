@@ -1,4 +1,4 @@
-"""Proposal distributions over cache entries (SPEC S2).
+"""Proposal distributions over cache entries (S2).
 
 A proposal ``pi`` is a distribution over the ``t`` prefix entries of one KV head, ``[..., t]``
 float32, with full support: every entry gets at least ``FLOOR / t`` before renormalising,

@@ -1,4 +1,4 @@
-"""How many samples a with-replacement eviction draws (SPEC S3, Algorithm 2 of Appendix F).
+"""How many samples a with-replacement eviction draws (S3, Algorithm 2 of Appendix F).
 
 With ``m`` draws from a proposal ``pi`` (``probkv.sampling.sample_counts``) an entry is kept
 iff it was drawn; the expected number of distinct entries is

@@ -1,4 +1,4 @@
-"""Which entries a KV head keeps: the samplers (SPEC S3, S9).
+"""Which entries a KV head keeps: the samplers (S3, S9).
 
 Two samplers, both driven by a proposal ``pi`` ``[..., t]`` (one row per KV head):
 

@@ -1,4 +1,4 @@
-"""The score functions: classic eviction scores as log-scores per KV head (SPEC S2, S5, S6).
+"""The score functions: classic eviction scores as log-scores per KV head (S2, S5, S6).
 
 Every score is returned in the log domain, ``[Hkv, t]`` float32 and finite, so that a top-k
 method (S5) is ``topk(log_scores)`` and the matching proposal (S2) is
@@ -291,7 +291,7 @@ def snapkv(
         softmax over the full causal row, no renormalisation; so do we.
       - Defaults: the SnapKV reference code uses avg-pooling, kernel 5, window 32; kvpress
         avg, kernel 5, window 64; Ada-KV max-pooling, kernel 7, window 32. probkv follows
-        the SPEC (S6): max, kernel 7, window 32.
+        S6: max, kernel 7, window 32.
       - GQA: the SnapKV reference code scores every query head on its own (repeated keys, no
         GQA support); kvpress and Ada-KV average the raw pooled scores of the group
         (``"mean"``, what probkv's SnapKV policies use). ``"mixture"`` (this function's

@@ -1,4 +1,4 @@
-"""The score table: every eviction score declared once (SPEC S2, S5, S6).
+"""The score table: every eviction score declared once (S2, S5, S6).
 
 ``SCORE_TABLE`` has one row (``ScoreSpec``) per score: its function (in
 ``probkv.score_functions``), the inputs it reads, its column-sum weighting, its parameters

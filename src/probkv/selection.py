@@ -1,4 +1,4 @@
-"""What one layer keeps after eviction: a ragged, flattened selection per KV head (SPEC S4, S6).
+"""What one layer keeps after eviction: a ragged, flattened selection per KV head (S4, S6).
 
 The layout is the evicted cache layer's storage layout (Ada-KV's flattened heads): the kept
 entries of head 0, then of head 1, ..., each head's indices sorted ascending, plus one float32
@@ -17,7 +17,7 @@ import torch
 class RaggedSelection:
     indices: torch.Tensor  # [N] int64, positions in the prefix, sorted within each head
     lengths: torch.Tensor  # [Hkv] int64, kept entries per head; sum == N
-    log_weights: torch.Tensor | None = None  # [N] float32 (SPEC S4), or None = no correction
+    log_weights: torch.Tensor | None = None  # [N] float32 (S4), or None = no correction
 
     def __post_init__(self) -> None:
         if self.indices.ndim != 1 or self.lengths.ndim != 1:

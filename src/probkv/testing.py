@@ -4,7 +4,7 @@ Every architecture probkv supports has a tiny version here: Llama, Mistral, Qwen
 (QK-norm) and Gemma3 text (sliding-window and global layers mixed). They are all GQA with
 ``g = Hq // Hkv = 2`` query heads per KV head (docs/architecture.md), head_dim 16, 2-4 layers,
 and weights drawn from a seeded generator with an init scale large enough that attention is
-far from uniform, so that a test can tell when eviction (SPEC S1) changed the output.
+far from uniform, so that a test can tell when eviction (S1) changed the output.
 
 ``tiny_tokenizer()`` is a byte-level tokenizer with a small chat template; its vocabulary
 (``TINY_VOCAB_SIZE`` ids) is the vocabulary of every tiny model, so the evaluation harness can

@@ -1,4 +1,4 @@
-"""The attention-error experiment (probkv.eval.attention_error, SPEC S7, S9; paper Eq. 11)."""
+"""The attention-error experiment (probkv.eval.attention_error, S7, S9; paper Eq. 11)."""
 
 from __future__ import annotations
 
@@ -498,7 +498,7 @@ def test_cli_end_to_end_on_a_tiny_model_folder(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_paper_prompt_is_157_tokens_for_smollm2(smollm2):
-    """SPEC S9's measurement: the Appendix E text is 157 SmolLM2 tokens; d_1 is 'Who'."""
+    """S9's measurement: the Appendix E text is 157 SmolLM2 tokens; d_1 is 'Who'."""
     _, tokenizer = smollm2
     prompt = ae.paper_prompt(tokenizer)
     assert len(prompt.context_ids) == 157

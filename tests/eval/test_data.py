@@ -1,4 +1,4 @@
-"""load_examples: probkv's and LongBench's JSONL formats, defaults, malformed files (SPEC S7)."""
+"""load_examples: probkv's and LongBench's JSONL formats, defaults, malformed files (S7)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The Example record: field checks, JSONL round trip, scoring (SPEC S7)."""
+"""The Example record: field checks, JSONL round trip, scoring (S7)."""
 
 from __future__ import annotations
 

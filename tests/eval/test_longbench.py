@@ -1,4 +1,4 @@
-"""LongBench datasets: settings per dataset, templates and overrides (SPEC S7)."""
+"""LongBench datasets: settings per dataset, templates and overrides (S7)."""
 
 from __future__ import annotations
 

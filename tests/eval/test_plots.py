@@ -1,4 +1,4 @@
-"""Figures (SPEC S7): every plot writes a valid PNG of a sensible size, and refuses empty input
+"""Figures (S7): every plot writes a valid PNG of a sensible size, and refuses empty input
 with an error that says what is missing."""
 
 from __future__ import annotations

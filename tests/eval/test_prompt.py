@@ -1,4 +1,4 @@
-"""Prompt assembly: the context/question cut and what "length" counts (SPEC S7)."""
+"""Prompt assembly: the context/question cut and what "length" counts (S7)."""
 
 from __future__ import annotations
 

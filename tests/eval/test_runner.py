@@ -1,4 +1,4 @@
-"""The evaluation runner (probkv.eval.runner, SPEC S7): every job run once, rows and summary
+"""The evaluation runner (probkv.eval.runner, S7): every job run once, rows and summary
 written, a rerun runs nothing, a failure keeps the finished jobs, bad data changes nothing.
 
 End to end on a tiny random Llama saved as a Hugging Face folder (the runner loads models by

@@ -1,4 +1,4 @@
-"""Scorers on hand-computed cases (SPEC S7, "Task score")."""
+"""Scorers on hand-computed cases (S7, "Task score")."""
 
 from __future__ import annotations
 

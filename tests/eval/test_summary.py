@@ -1,5 +1,5 @@
 """Run summary (probkv.eval.summary): average total score, win score on common examples,
-effective ratios, the Markdown tables; checked against values computed by hand (SPEC S7)."""
+effective ratios, the Markdown tables; checked against values computed by hand (S7)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Win score and average total score on hand-made tables (SPEC S7; paper Section 7)."""
+"""Win score and average total score on hand-made tables (S7; paper Section 7)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Evaluation harness (SPEC S7): generated tasks, data loading, scorers, win score, runs.
+"""Evaluation harness (S7): generated tasks, data loading, scorers, win score, runs.
 
 Layer 4 of docs/architecture.md: nothing below depends on it. Importing this package loads
 only the model-free parts: examples and their JSONL form (:mod:`.examples`, :mod:`.data`,

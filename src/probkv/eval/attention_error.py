@@ -1,4 +1,4 @@
-"""The attention-error experiment: how far evicted attention is from full attention (SPEC S7).
+"""The attention-error experiment: how far evicted attention is from full attention (S7).
 
 The paper's Section 6 / Figure 2 (Eq. 11), with the S9 variants. A prompt ``x`` of ``t`` tokens
 is prefilled and evicted; the decode tokens ``d_1, d_2, ...`` follow it (``d_1`` is the first
@@ -523,7 +523,7 @@ def results_header(
     """The JSON header written before the rows: model, prompt length, arguments, definitions."""
     decode_ids = [int(i) for i in decode_ids]
     header = {
-        "experiment": "attention-error (SPEC S7, paper Eq. 11 / Figure 2)",
+        "experiment": "attention-error (S7, paper Eq. 11 / Figure 2)",
         "model": model_name,
         "prompt": {
             "source": prompt.source,

@@ -1,4 +1,4 @@
-"""``probkv attention-error``: the attention-error experiment from the command line (SPEC S7).
+"""``probkv attention-error``: the attention-error experiment from the command line (S7).
 
 Writes one JSON file ``{"header": {...}, "rows": [...]}``; the rows and what every number
 means are documented in :mod:`probkv.eval.attention_error` (and repeated in the header's
@@ -61,7 +61,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
             "Per-head attention error (mean absolute difference over the head dimension, "
             "averaged over every head of every evicted layer) of H2O top-k, top-k of the "
             "proposal, and sampled eviction without and with correction, per compression "
-            "ratio and weight temperature (SPEC S7, S9). Default prompt: the paper's "
+            "ratio and weight temperature (S7, S9). Default prompt: the paper's "
             "Appendix E text, whose question's first token is the measured decode token."
         ),
     )

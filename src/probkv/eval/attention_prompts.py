@@ -1,4 +1,4 @@
-"""The attention-error experiment's prompts and decode tokens (SPEC S7; paper Appendix E).
+"""The attention-error experiment's prompts and decode tokens (S7; paper Appendix E).
 
 :class:`AttentionPrompt` is the prompt ``x`` that is prefilled and evicted, plus the tokens
 forced after it. The ``paper`` format is the paper's Appendix E literally (``x`` = the plain

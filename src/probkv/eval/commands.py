@@ -38,7 +38,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Run every (method, ratio, example) job, appending one line per finished job to "
             "OUT/results.jsonl; rerunning with the same OUT resumes. Writes OUT/summary.md and "
-            "OUT/summary.json (score per task, average total score and win score, SPEC S7; "
+            "OUT/summary.json (score per task, average total score and win score, S7; "
             "target vs effective compression ratio). 'full' runs once per example (ratio 0) and "
             "is the reference, not ranked in the win score. See probkv.eval.runner."
         ),

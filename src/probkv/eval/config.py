@@ -1,4 +1,4 @@
-"""What an evaluation run evaluates (SPEC S7): :class:`RunConfig`, checked on construction,
+"""What an evaluation run evaluates (S7): :class:`RunConfig`, checked on construction,
 and its identity (:data:`IDENTITY_KEYS`), which a resume compares.
 
 A data file enters the identity by its SHA-256, not its path; workers, threads and prefill

@@ -1,4 +1,4 @@
-"""Bring-your-own data: read examples from JSONL (SPEC S7).
+"""Bring-your-own data: read examples from JSONL (S7).
 
 ``load_examples(path)`` reads either probkv's own format (see :mod:`probkv.eval.examples`)
 or LongBench's (see :mod:`probkv.eval.longbench`), detected from the first record or chosen

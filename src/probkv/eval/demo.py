@@ -1,4 +1,4 @@
-"""``probkv demo``: a small side-by-side evaluation on the default model (SPEC S7).
+"""``probkv demo``: a small side-by-side evaluation on the default model (S7).
 
 Full cache, two top-k baselines (SnapKV, StreamingLLM), and probabilistic eviction with the
 ``min-h`` proposal (S2) with and without decode-time correction (S4), the same with the global

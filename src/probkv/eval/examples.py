@@ -1,4 +1,4 @@
-"""The evaluation example record and its JSONL form (SPEC S7).
+"""The evaluation example record and its JSONL form (S7).
 
 An :class:`Example` is one prompt to answer: a ``context`` (the long part, which is prefilled
 and then compressed) followed by a ``question`` (fed after eviction, so eviction is
@@ -79,7 +79,7 @@ def check_str_list_field(name: str, value: Any, *, non_empty: bool) -> tuple[str
 
 @dataclass(frozen=True)
 class Example:
-    """One evaluation example (SPEC S7). Field checks raise ValueError naming the field.
+    """One evaluation example (S7). Field checks raise ValueError naming the field.
 
     Attributes:
         id: unique id within a data set (the runner keys finished jobs on it).
@@ -170,7 +170,7 @@ class Example:
 
 
 def score_example(example: Example, prediction: str) -> float:
-    """Score a prediction for ``example`` with its metric, in [0, 1] (SPEC S7).
+    """Score a prediction for ``example`` with its metric, in [0, 1] (S7).
 
     Applies LongBench's post-processing first when ``example.first_line_only`` is set: only
     the first line after any leading newlines is scored."""

@@ -1,4 +1,4 @@
-"""Running jobs with a model (SPEC S7): prefill, evict, answer, score, measure.
+"""Running jobs with a model (S7): prefill, evict, answer, score, measure.
 
 - Question-agnostic by default (S7): the context alone is prefilled and evicted, then the
   question is fed and the answer generated (``probkv.hf.compress`` + ``probkv.hf.answer``).

@@ -1,4 +1,4 @@
-"""LongBench's JSONL format: prompt templates, generation budgets and metrics per dataset (SPEC S7).
+"""LongBench's JSONL format: prompt templates, generation budgets and metrics per dataset (S7).
 
 A LongBench record has the fields ``_id``, ``dataset``, ``input`` (the question or
 instruction), ``context``, ``answers``, ``all_classes``, ``length`` and ``language``. Each

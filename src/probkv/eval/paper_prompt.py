@@ -1,4 +1,4 @@
-"""The input of the paper's attention-error experiment (Figure 2), as data (SPEC S7).
+"""The input of the paper's attention-error experiment (Figure 2), as data (S7).
 
 Quoted verbatim, for the purpose of reproducing the measurement, from Appendix E ("Prompt and
 Question for MAE Error") of: Renato Geh, Alex Chen, Daniel Israel, Aditya Grover and Guy Van
@@ -10,7 +10,7 @@ of the following text" (``PAPER_TEXT``), and "the first token y is given by the 
 the tokenized sequence of the following string" (``PAPER_QUESTION``). No chat template is
 mentioned: the prompt is the plain text, and the measured decode token is the question's first
 token (``"Who"``), not a generated answer. SmolLM2's tokenizer (no BOS) makes ``PAPER_TEXT``
-157 tokens, the length SPEC S9's first table reports.
+157 tokens, the length S9's first table reports.
 """
 
 from __future__ import annotations

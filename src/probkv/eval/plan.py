@@ -1,4 +1,4 @@
-"""What a run does (SPEC S7): its examples, and its jobs grouped into units.
+"""What a run does (S7): its examples, and its jobs grouped into units.
 
 A *job* is one (example, method, ratio); a *unit* is the jobs of one example that run from
 one prefill. The prefill (model forward and the policy's observation, S2) depends only on the

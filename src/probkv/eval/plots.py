@@ -1,4 +1,4 @@
-"""Figures of an evaluation run and of the attention-error experiment (SPEC S7), as PNG files.
+"""Figures of an evaluation run and of the attention-error experiment (S7), as PNG files.
 
 From a run's summary (:func:`probkv.eval.summary.summarize`):
 

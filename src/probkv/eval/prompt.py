@@ -1,4 +1,4 @@
-"""How an :class:`~probkv.eval.examples.Example` becomes model input (SPEC S7).
+"""How an :class:`~probkv.eval.examples.Example` becomes model input (S7).
 
 The prompt is cut in two at the end of the context, because eviction happens in between:
 

@@ -1,4 +1,4 @@
-"""The evaluation runner behind ``probkv eval`` (SPEC S7): methods x ratios x examples.
+"""The evaluation runner behind ``probkv eval`` (S7): methods x ratios x examples.
 
 Each (method, ratio, example) is one *job*: prefill the example's context, evict with the
 method at that compression ratio, answer the question greedily, score the answer.

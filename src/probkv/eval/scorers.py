@@ -1,4 +1,4 @@
-"""Scorers: generated text -> a score in [0, 1] (SPEC S7, "Task score").
+"""Scorers: generated text -> a score in [0, 1] (S7, "Task score").
 
 Every scorer has the same signature, ``scorer(prediction, answers, all_classes=None) -> float``,
 where ``answers`` are the reference strings of one example:
@@ -264,7 +264,7 @@ SCORERS: Mapping[str, Scorer] = MappingProxyType(
         "contains": contains,
     }
 )
-"""Scorers by metric name (SPEC S7)."""
+"""Scorers by metric name (S7)."""
 
 
 def check_metric(name: str, what: str = "metric") -> str:

@@ -1,4 +1,4 @@
-"""A run's folder on disk (SPEC S7): the files, their durability, and what a resume checks.
+"""A run's folder on disk (S7): the files, their durability, and what a resume checks.
 
 - ``config.json``: the run's configuration and identity (:mod:`probkv.eval.config`). A
   folder holding another configuration is refused unless forced; forcing moves the previous

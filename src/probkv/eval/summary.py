@@ -1,4 +1,4 @@
-"""A run's summary (SPEC S7): ``summary.json`` (:func:`summarize`) and ``summary.md``
+"""A run's summary (S7): ``summary.json`` (:func:`summarize`) and ``summary.md``
 (:func:`summary_markdown`), computed from the results rows alone, so a partial run and a
 rerun summarise alike.
 
@@ -39,7 +39,7 @@ def summarize(
     config: RunConfig | Mapping[str, Any] | None = None,
     jobs_total: int | None = None,
 ) -> dict[str, Any]:
-    """Aggregate results rows (SPEC S7; Appendix F.2 for the compression ratios).
+    """Aggregate results rows (S7; Appendix F.2 for the compression ratios).
 
     Returns a JSON-ready dict:
 
@@ -183,7 +183,7 @@ def summary_markdown(summary: Mapping[str, Any]) -> str:
         + ("" if summary["complete"] else " (incomplete: rerun the same command to resume)")
         + ".",
         "",
-        "## Average total score (SPEC S7)",
+        "## Average total score (S7)",
         "",
         "Task means weighted by each task's share of the examples. `full` does not depend on "
         "the ratio: its one value is repeated as the reference.",
@@ -196,7 +196,7 @@ def summary_markdown(summary: Mapping[str, Any]) -> str:
     lines += _table(["method", *(f"r = {r:g}" for r in ratios)], body)
     if summary["win_scores"]:
         ranked = [m for m in methods if m != FULL]
-        lines += ["", "## Win score (SPEC S7)", ""]
+        lines += ["", "## Win score (S7)", ""]
         lines += [
             "Mean rank of each eviction method per example (ties count as wins), averaged per "
             "task, tasks weighted equally, normalised to [0, 1]; `full` is not ranked.",

@@ -1,4 +1,4 @@
-"""Win score and average total score (SPEC S7; paper Section 7).
+"""Win score and average total score (S7; paper Section 7).
 
 A score table holds one score in [0, 1] per (task, example, method)::
 
@@ -71,7 +71,7 @@ def _check_table(table: ScoreTable) -> tuple[str, ...]:
 
 def example_ranks(scores: Mapping[str, float]) -> dict[str, int]:
     """Ranks of the methods on one example: ``#{other methods with score <= own score}``
-    (0 = worst, ``n - 1`` = best; ties count as wins for every tied method, SPEC S7)."""
+    (0 = worst, ``n - 1`` = best; ties count as wins for every tied method, S7)."""
     values = {m: _check_score(s, f"method {m!r}") for m, s in scores.items()}
     return {
         m: sum(1 for other, s in values.items() if other != m and s <= v) for m, v in values.items()
@@ -96,7 +96,7 @@ def win_scores_per_task(table: ScoreTable) -> dict[str, dict[str, float]]:
 
 def win_scores(table: ScoreTable) -> dict[str, float]:
     """The win score of each method in [0, 1]: per-task normalised mean ranks, averaged over
-    tasks with equal weight (SPEC S7)."""
+    tasks with equal weight (S7)."""
     per_task = win_scores_per_task(table)
     methods = next(iter(per_task.values())).keys()
     return {m: sum(task[m] for task in per_task.values()) / len(per_task) for m in methods}
@@ -113,7 +113,7 @@ def task_averages(table: ScoreTable) -> dict[str, dict[str, float]]:
 
 def average_total_score(split_scores: Mapping[str, Sequence[float]]) -> float:
     """One method's average total score: split averages weighted by each split's share of the
-    examples, ``sum_s (N_s / N) mean_s`` (SPEC S7). ``split_scores`` maps split -> scores."""
+    examples, ``sum_s (N_s / N) mean_s`` (S7). ``split_scores`` maps split -> scores."""
     if not isinstance(split_scores, Mapping) or not split_scores:
         raise ValueError("split_scores must be a non-empty mapping split -> list of scores")
     for split, scores in split_scores.items():

@@ -1,4 +1,4 @@
-"""probkv's attention function, registered in transformers' ``AttentionInterface`` (SPEC S4).
+"""probkv's attention function, registered in transformers' ``AttentionInterface`` (S4).
 
 transformers calls ``cache.update(key, value, layer_idx, kwargs=kwargs)`` and then the
 registered attention function with ``**kwargs``; ``EvictingLayer.update`` puts itself into that

@@ -1,4 +1,4 @@
-"""An evicting KV cache on transformers' cache-layer protocol (SPEC S3, S4, S6).
+"""An evicting KV cache on transformers' cache-layer protocol (S3, S4, S6).
 
 ``EvictingLayer`` is one global-attention layer's cache. Before eviction it is a dense,
 growing ``[1, Hkv, T, d]`` buffer, like transformers' ``DynamicLayer``. Eviction turns what it

@@ -1,4 +1,4 @@
-"""Recording what probkv's attention function computes, for experiments (SPEC S7).
+"""Recording what probkv's attention function computes, for experiments (S7).
 
 A forward of a prepared model (``probkv.hf.prepare_model``) may carry an ``AttentionRecorder``
 as the keyword argument ``probkv_capture``; transformers hands it to the attention function

@@ -1,4 +1,4 @@
-"""The context / question workflow the paper evaluates (SPEC S7), and generation helpers.
+"""The context / question workflow the paper evaluates (S7), and generation helpers.
 
 Question-agnostic: ``compress`` prefills the context alone and evicts, before any question is
 seen; ``answer`` then answers each question from that same compressed state. Question-aware:

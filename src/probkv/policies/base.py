@@ -1,4 +1,4 @@
-"""The policy protocol: what a method observes at prefill and what it keeps (SPEC S3, S5).
+"""The policy protocol: what a method observes at prefill and what it keeps (S3, S5).
 
 A policy is a small frozen dataclass. During prefill the integration layer computes, for each
 evicting layer, the log-scores the policy names (``score`` with ``score_params``, from the real

@@ -1,4 +1,4 @@
-"""Probabilistic eviction with decode-time correction (SPEC S3, S4, S9).
+"""Probabilistic eviction with decode-time correction (S3, S4, S9).
 
 Sample which entries each KV head keeps from a proposal built from ``score`` (S2), choose the
 number of samples for the target ratio per head or globally across all layers (S3), and give

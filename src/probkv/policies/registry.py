@@ -1,4 +1,4 @@
-"""Method names, one registry for the Python API, the CLI and results files (SPEC S5, S9).
+"""Method names, one registry for the Python API, the CLI and results files (S5, S9).
 
 Grammar (docs/methods.md lists every name, option and default)::
 

@@ -1,4 +1,4 @@
-"""Deterministic top-k eviction (SPEC S5, S6): keep the k highest log-scores per KV head, no
+"""Deterministic top-k eviction (S5, S6): keep the k highest log-scores per KV head, no
 correction (``log w = 0``). Layer budgets: uniform or PyramidKV; head budgets within a layer:
 uniform or Ada-KV's adaptive allocation. StreamingLLM, H2O, SnapKV, TOVA, K-norm, PyramidKV,
 Ada-SnapKV, Ada-PyramidKV and the top-k of any proposal (S9) are all this one class with
@@ -47,7 +47,7 @@ class TopKPolicy(EvictionPolicy):
       different numbers of entries, stored ragged.
     - ``recent``: fraction of each head's budget reserved for the most recent entries (H2O's
       recent window; 0.5 is the H2O paper's equal split of heavy hitters and recent tokens).
-      0 (default) keeps the SPEC's H2O, pure accumulated attention (S5).
+      0 (default) keeps the H2O of S5, pure accumulated attention (S5).
     - ``pool``: max-pool the log-scores over positions with this odd kernel first (S10; 1 =
       none, the default), as ``prob:<score>/pool=k`` does: the matched top-k baseline.
     """

@@ -1,4 +1,4 @@
-"""Seeded prose (probkv.eval.haystack.prose): reproducible, varied, well formed (SPEC S7)."""
+"""Seeded prose (probkv.eval.haystack.prose): reproducible, varied, well formed (S7)."""
 
 from __future__ import annotations
 

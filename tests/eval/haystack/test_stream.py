@@ -1,5 +1,5 @@
 """Haystack word streams (probkv.eval.haystack.stream): the noise cycle, word-exact cutting,
-needle insertion at sentence boundaries (SPEC S7)."""
+needle insertion at sentence boundaries (S7)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Generated RULER-style tasks (probkv.eval.tasks): the registry, fitted to the length,
-answerable, reproducible; bad arguments refused (SPEC S7)."""
+answerable, reproducible; bad arguments refused (S7)."""
 
 from __future__ import annotations
 

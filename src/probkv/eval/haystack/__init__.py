@@ -1,4 +1,4 @@
-"""Haystack text for the generated tasks (SPEC S7): license-clean, offline, seeded.
+"""Haystack text for the generated tasks (S7): license-clean, offline, seeded.
 
 Two kinds of filler text surround the needles of the RULER-style tasks (:mod:`probkv.eval.tasks`):
 

@@ -1,4 +1,4 @@
-"""Seeded procedural English prose (SPEC S7): the ``prose`` haystack.
+"""Seeded procedural English prose (S7): the ``prose`` haystack.
 
 Sentence templates over the hand-written vocabulary (:mod:`.vocabulary`), in paragraphs that
 follow one character, so a model reads varied, natural-looking text rather than repeated
@@ -67,7 +67,7 @@ class _Character:
 
 
 class ProseGenerator:
-    """Seeded procedural English prose (SPEC S7: license-clean prose haystack).
+    """Seeded procedural English prose (S7: license-clean prose haystack).
 
     ``sentences()`` yields ``(sentence, ends_paragraph)`` forever. Paragraphs have 3 to 7
     sentences and follow one character, introduced by name or role and then referred to by

@@ -1,4 +1,4 @@
-"""Haystack text as words (SPEC S7): the ``noise`` and ``prose`` haystacks as a
+"""Haystack text as words (S7): the ``noise`` and ``prose`` haystacks as a
 :class:`WordStream`, cut to an exact number of words with needles inserted at sentence
 boundaries at a chosen depth."""
 

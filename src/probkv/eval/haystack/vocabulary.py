@@ -1,4 +1,4 @@
-"""The words of the prose haystack (SPEC S7): hand-written lists, part of probkv (Apache-2.0).
+"""The words of the prose haystack (S7): hand-written lists, part of probkv (Apache-2.0).
 
 Plain lower-case words (names and weekdays capitalised); no digits, no hyphens, so the
 needles' numbers, UUIDs and ``adjective-noun`` keys cannot occur in the prose by accident.

@@ -1,4 +1,4 @@
-"""RULER-style synthetic tasks, generated offline, seeded and fitted to a token length (SPEC S7).
+"""RULER-style synthetic tasks, generated offline, seeded and fitted to a token length (S7).
 
 ``generate_examples(task, tokenizer=..., length=..., num_examples=..., seed=...)`` returns
 :class:`~probkv.eval.examples.Example` records whose prompt length (chat template overhead +

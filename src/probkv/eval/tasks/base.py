@@ -1,4 +1,4 @@
-"""What every generated task is made of (SPEC S7): a :class:`Draft` prompt, the
+"""What every generated task is made of (S7): a :class:`Draft` prompt, the
 :class:`Builder` that drafts it at a given haystack size, and seeded value streams (keys,
 numbers, UUIDs, made-up words) whose k-th value does not depend on how many are drawn."""
 

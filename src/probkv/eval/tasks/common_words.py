@@ -1,4 +1,4 @@
-"""RULER's common words extraction (SPEC S7): ``cwe``."""
+"""RULER's common words extraction (S7): ``cwe``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""RULER's frequent words extraction (SPEC S7): ``fwe``."""
+"""RULER's frequent words extraction (S7): ``fwe``."""
 
 from __future__ import annotations
 

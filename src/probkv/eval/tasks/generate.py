@@ -1,4 +1,4 @@
-"""Generating examples (SPEC S7): a task's drafts fitted to a prompt length on the real
+"""Generating examples (S7): a task's drafts fitted to a prompt length on the real
 tokenizer, at depths spread over the examples (:func:`generate_examples`)."""
 
 from __future__ import annotations

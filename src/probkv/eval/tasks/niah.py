@@ -1,4 +1,4 @@
-"""RULER's needle-in-a-haystack family (SPEC S7): ``niah_single_*``, ``niah_multikey_*``,
+"""RULER's needle-in-a-haystack family (S7): ``niah_single_*``, ``niah_multikey_*``,
 ``niah_multivalue``, ``niah_multiquery``."""
 
 from __future__ import annotations

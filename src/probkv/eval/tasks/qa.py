@@ -1,4 +1,4 @@
-"""Question answering over planted facts (SPEC S7): ``qa``, RULER's QA family without its
+"""Question answering over planted facts (S7): ``qa``, RULER's QA family without its
 downloaded data sets."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The generated tasks by name (SPEC S7): :data:`TASKS`, :data:`TASK_NAMES`, :func:`get_task`
+"""The generated tasks by name (S7): :data:`TASKS`, :data:`TASK_NAMES`, :func:`get_task`
 and :func:`task_metric`."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ TASKS: dict[str, Task] = {
         FactQATask(),
     )
 }
-"""The generated tasks by name (SPEC S7)."""
+"""The generated tasks by name (S7)."""
 
 TASK_NAMES = tuple(TASKS)
 

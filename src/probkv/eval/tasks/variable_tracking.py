@@ -1,4 +1,4 @@
-"""RULER's variable tracking (SPEC S7): ``vt``, chains of variable assignments."""
+"""RULER's variable tracking (S7): ``vt``, chains of variable assignments."""
 
 from __future__ import annotations
 
