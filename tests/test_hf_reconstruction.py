@@ -205,7 +205,7 @@ def test_without_a_repeat_prompt_the_context_is_fed_alone_with_a_warning(tiny):
     model = tiny
     ids = context_ids(model, 20)
     with pytest.warns(UserWarning, match=r"repeat_prompt=probkv\.hf\.repeat_prompt\(tokenizer\)"):
-        cache = compress(model, ids, parse_method("prob:h2o-rec", ratio=0.5))
+        cache = compress(model, ids, parse_method("prob:h2o-rec/block=1/order=position", ratio=0.5))
     assert cache.effective_ratio() > 0.4
     with pytest.raises(ValueError, match="needs a cache whose prefill observed"):
         reconstruct(model, cache, ids, PROMPT)

@@ -235,7 +235,9 @@ def test_count_weights_recover_integer_counts_summing_to_m():
 
 def test_pps_keeps_exactly_the_budget_with_weights_one_over_p():
     """S9 pps: exactly the head budget (forced entries included), log w_i = -log P_i."""
-    policy, obs = one_layer("prob:snapkv/window=8/sampler=pps", t=60, ratio=0.7)
+    policy, obs = one_layer(
+        "prob:snapkv/window=8/sampler=pps/block=1/order=position", t=60, ratio=0.7
+    )
     obs = policy._with_forced(obs)
     pi = policy.proposal(obs).double()
     b = budget(60, 0.7)
@@ -474,7 +476,9 @@ def test_core_is_weight_one_and_the_rest_pps_of_the_restricted_proposal(pool):
     """S10.2 per head: the floor(f b) entries of largest (pooled) score are kept with log-weight
     0; every other kept entry has -log P_i with P the pps of the proposal restricted to the
     remaining entries (renormalised) for the remaining budget b - |C|."""
-    policy = parse_method(f"prob:snapkv/window=8/core=0.5/pool={pool}", ratio=0.7)
+    policy = parse_method(
+        f"prob:snapkv/window=8/core=0.5/pool={pool}/block=1/order=position", ratio=0.7
+    )
     q, k, v = random_layer(60, 2, 2, seed=41)
     obs = policy._with_forced(observe(policy, q, k, v))
     pi = policy.proposal(obs).double()
@@ -500,7 +504,7 @@ def test_global_core_is_the_top_of_all_heads_then_one_scale():
     """S10.2 with scope=global: the core is the floor(f S) entries of largest proposal over all
     heads of all layers (S = sum_h (1 - r) t_h - forced), weight 1; the rest is pps with one
     lam over the remaining entries of every head, P = min(1, lam pi), sum P = S - |C|."""
-    policy = parse_method("prob:h2o/scope=global/core=0.5", ratio=0.75)
+    policy = parse_method("prob:h2o/scope=global/core=0.5/block=1/order=position", ratio=0.75)
     obs = [
         synthetic(torch.randn(2, 30 + 10 * i, generator=gen(i)) * 2, layer_idx=i) for i in range(2)
     ]

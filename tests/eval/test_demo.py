@@ -19,10 +19,12 @@ def test_demo_config():
     cfg = demo.demo_config()
     assert cfg.model == DEFAULT_MODEL
     assert cfg.ratios == (0.5,)
-    # Full cache, two top-k baselines, min-h with and without correction (S2, S4).
+    # Full cache, two top-k baselines, min-h with and without correction (S2, S4), and the
+    # best question-agnostic methods, context reconstruction top-k and sampled (S10.1).
     assert {"full", "snapkv", "streaming_llm", "prob:min-h", "prob:min-h/correct=false"} <= set(
         cfg.methods
     )
+    assert {"kvzip", "prob:kvzip"} <= set(cfg.methods)
     assert cfg.tasks == ("niah_single_1", "niah_single_2", "niah_multikey_1")
     assert 1000 <= cfg.lengths[0] <= 2000
     # The global-scope variant observes what prob:min-h observes: it shares its prefill.
@@ -30,12 +32,8 @@ def test_demo_config():
         [pytest.importorskip("probkv.eval").Example("x", "t", "c", "q", ("a",), 4)],
         cfg.jobs_per_example(),
     )
-    assert sorted(len(u.jobs) for u in units) == [
-        1,
-        1,
-        2,
-        3,
-    ]  # full | streaming | snapkv x2 | min-h x3
+    # full | streaming | snapkv x2 | kvzip x2 (one reconstruction pass, S10.1) | min-h x3
+    assert sorted(len(u.jobs) for u in units) == [1, 1, 2, 2, 3]
     assert not cfg.question_aware and demo.demo_config(question_aware=True).question_aware
 
 

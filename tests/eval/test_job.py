@@ -90,4 +90,6 @@ def test_kvzip_methods_share_one_reconstruction_pass(
     assert keyed(fast_rows) == keyed(slow_rows)
     assert fast.jobs_run == slow.jobs_run == len(fast_rows) == 3 * 4 * 2  # 3 examples
     for r in fast_rows:
-        assert abs(r["effective_ratio"] - r["ratio"]) < 0.01
+        # top-k: the exact budget; pps blocks of 8 (the default): within 7 entries per head
+        slack = 0.01 if not r["method"].startswith("prob:") else 7 / 400
+        assert abs(r["effective_ratio"] - r["ratio"]) < slack

@@ -2,8 +2,9 @@
 
 Full cache, two top-k baselines (SnapKV, StreamingLLM), and probabilistic eviction with the
 ``min-h`` proposal (S2) with and without decode-time correction (S4), the same with the global
-budget (S3), and probabilistic SnapKV (the proposal probkv's own evaluation found best on
-tasks, docs/evaluation.md), all at r = 0.5 on three generated needle tasks (a few examples
+budget (S3), probabilistic SnapKV (the best proposal question-aware), and context
+reconstruction, KVzip's global top-k (``kvzip``) and its probabilistic version
+(``prob:kvzip``): the best methods question-agnostic (S10.1, docs/evaluation.md), all at r = 0.5 on three generated needle tasks (a few examples
 each, about 1.2k prompt tokens), in the two settings of the paper's evaluation:
 question-agnostic (the context is compressed before the question is seen, the paper's and
 kvpress's setting) and question-aware (the question is inside the compressed prompt, where
@@ -13,7 +14,8 @@ interrupted, it resumes; its figures land beside its results.
 
 The global-budget variant shares its prefill with ``prob:min-h`` and ``prob:snapkv`` with
 ``snapkv`` (same observation, see the runner), so each costs one extra eviction and decode
-per example; the global variant gives the per-layer figure (the paper's Figure 9).
+per example; the global variant gives the per-layer figure (the paper's Figure 9). ``kvzip``
+and ``prob:kvzip`` share one prefill and one reconstruction pass per example.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ DEMO_METHODS = (
     "prob:min-h/correct=false",
     "prob:min-h/scope=global",
     "prob:snapkv",
+    "kvzip",
+    "prob:kvzip",
 )
 # (folder name, question_aware): the paper's setting first.
 DEMO_SETTINGS = (("question_agnostic", False), ("question_aware", True))

@@ -16,6 +16,7 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -34,6 +35,10 @@ from probkv.policies.base import (
 from probkv.selection import RaggedSelection
 
 SCOPES = ("head", "global")
+# Defaults of the pps sampler's design, from probkv's measurements on needle tasks
+# (docs/evaluation.md): blocks of 8 entries visited in a seeded random order (S10.3, S10.4).
+PPS_BLOCK = 8
+PPS_ORDER = "random"
 SAMPLERS = ("with_replacement", "pps")
 WEIGHTS = ("counts", "inclusion")
 
@@ -92,9 +97,13 @@ class ProbabilisticPolicy(EvictionPolicy):
     recent: float = 0.0
     seed: int = 0
     core: float = 0.0
-    block: int = 1
-    order: str = "position"
+    block: int | None = None  # None: PPS_BLOCK for sampler="pps", 1 otherwise
+    order: str | None = None  # None: PPS_ORDER for sampler="pps", "position" otherwise
     pool: int = 1
+
+    # Fields whose defaults depend on these (block, order on the sampler): method names
+    # compare them with the defaults of a policy with the same sampler.
+    DEFAULTS_DEPEND_ON: ClassVar[tuple[str, ...]] = ("sampler",)
 
     def __post_init__(self) -> None:
         validate_common(self)
@@ -117,6 +126,11 @@ class ProbabilisticPolicy(EvictionPolicy):
 
     def _check_span_options(self) -> None:
         """S10: ``core``, ``block``, ``order`` (pps designs) and ``pool``."""
+        pps = self.sampler == "pps"
+        if self.block is None:
+            object.__setattr__(self, "block", PPS_BLOCK if pps else 1)
+        if self.order is None:
+            object.__setattr__(self, "order", PPS_ORDER if pps else "position")
         core = check_fraction(self.core, "core", what="share of the sampled budget taken top-k")
         object.__setattr__(self, "core", core)
         designs.check_block(self.block)

@@ -186,13 +186,17 @@ def method_name(policy: EvictionPolicy) -> str:
         if family is None:
             raise ValueError(f"{type(policy).__name__} is not a registered method class")
         name, fixed = f"{family}:{policy.score}", {"score": policy.score}
-    defaults = type(policy)(ratio=policy.ratio, **fixed)
+    plain = type(policy)(ratio=policy.ratio, **fixed)
+    # fields whose defaults follow other fields (ProbabilisticPolicy: block, order follow the
+    # sampler) are compared with the defaults of a policy that has those fields' values
+    depends = {k: getattr(policy, k) for k in getattr(policy, "DEFAULTS_DEPEND_ON", ())}
+    defaults = type(policy)(ratio=policy.ratio, **{**depends, **fixed})
     options = {}
     for f in dataclasses.fields(policy):
         if f.name in ("ratio", "score_params") or f.name in fixed:
             continue
         value = getattr(policy, f.name)
-        if value != getattr(defaults, f.name):
+        if value != getattr(plain if f.name in depends else defaults, f.name):
             options[f.name] = value
     tensors = scores.tensor_param_names(policy.score)
     for key, value in policy.score_params.items():
