@@ -11,10 +11,10 @@ one softmax over prefix (logits ``+ log w``) and tail (no weight), see ``probkv.
 Logical length (positions, RoPE: ``get_seq_length``) and physical length (what is stored, what
 masks must be sized by: ``get_mask_sizes``) are kept apart (S6 pitfall).
 
-An ``EvictingLayer`` moves through explicit states (``LayerState``): ``PREFILL`` (nothing
-observed; its first forward is the prefill) -> ``OBSERVED`` (the policy's observation is held;
-eviction waits for the other layers: global scope, ``probkv.hf.observe``) -> ``EVICTED``.
-Layerwise policies pass through ``OBSERVED`` inside the prefill attention call.
+An ``EvictingLayer`` moves through explicit states (``LayerState``): ``PREFILL`` (the prompt
+is being read, in one or several forwards: ``probkv.hf.prefill``) -> ``OBSERVED`` (the
+policy's observation is held; eviction waits for the end of the prompt or for the other
+layers: global scope, ``probkv.hf.observe``) -> ``EVICTED``.
 
 ``ProbKVCache`` is the ``Cache``: one ``EvictingLayer`` per global-attention layer and
 transformers' own sliding-window layers elsewhere (Gemma-3's local layers are not evicted). It
@@ -38,8 +38,11 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 
+from probkv._checks import check_positive_int
 from probkv.budgets import retained_attention_mass
 from probkv.estimator import compose_log_weights, kish_effective_sample_size
+from probkv.hf import guards
+from probkv.observation import PrefillStatistics
 from probkv.policies.base import (
     EvictionPolicy,
     LayerObservation,
@@ -58,7 +61,7 @@ KWARGS_CHANNEL_KEY = "probkv_layer"
 class LayerState(enum.Enum):
     """Where an ``EvictingLayer`` is in its life (module docstring)."""
 
-    PREFILL = "prefill"  # nothing observed: the next forward is the prefill
+    PREFILL = "prefill"  # the prompt is being read (``prefill_stats``: chunks seen so far)
     OBSERVED = "observed"  # prefill observed (``observation`` set), eviction pending
     EVICTED = "evicted"  # a ragged weighted prefix (``prefix``) and a dense tail
 
@@ -125,13 +128,22 @@ class EvictingLayer(CacheLayerMixin):
     is_croppable = False
 
     def __init__(
-        self, layer_idx: int, policy: EvictionPolicy, rank: int, num_evicting: int
+        self,
+        layer_idx: int,
+        policy: EvictionPolicy,
+        rank: int,
+        num_evicting: int,
+        prompt_length: int | None = None,
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.policy = policy
         self.rank = rank  # position among the evicting layers
         self.num_evicting = num_evicting
+        # Where the prompt ends (probkv.hf.prefill): its length if known, the chunks seen.
+        self.prompt_length = prompt_length
+        self.prefill_stats: PrefillStatistics | None = None
+        self.prompt_complete = False  # the observation covers the whole prompt
         self.prefix: _Prefix | None = None
         self.prefix_length = 0  # logical entries covered by the prefix (t at eviction)
         self._tail_keys: torch.Tensor | None = None  # [1, Hkv, capacity, d]
@@ -158,10 +170,7 @@ class EvictingLayer(CacheLayerMixin):
         **other,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if key_states.shape[0] != 1:
-            raise ValueError(
-                f"probkv evicts caches of batch size 1 only; got batch size {key_states.shape[0]}. "
-                "Run prompts one at a time."
-            )
+            raise ValueError(guards.batch_message(key_states))
         if self._awaiting_attention:
             raise RuntimeError(
                 f"layer {self.layer_idx}: the previous forward did not run probkv's attention function; "
@@ -192,7 +201,7 @@ class EvictingLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.__init__(self.layer_idx, self.policy, self.rank, self.num_evicting)
+        self.__init__(self.layer_idx, self.policy, self.rank, self.num_evicting, self.prompt_length)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last ``-tokens_to_remove`` tokens of the tail (never the evicted prefix)."""
@@ -271,15 +280,31 @@ class EvictingLayer(CacheLayerMixin):
         """probkv's attention function ran after ``update`` (checked at the next update)."""
         self._awaiting_attention = False
 
-    def observed(self, observation: LayerObservation) -> None:
-        """Record the prefill's observation (``PREFILL`` -> ``OBSERVED``) and evict right away
-        when the policy decides each layer on its own (the full cache never exists at once)."""
+    def observed(self, observation: LayerObservation, *, final: bool = True) -> None:
+        """Record the prefill's observation (``PREFILL`` -> ``OBSERVED``). ``final``: it
+        covers the whole prompt; a layerwise policy then evicts right away (the full cache
+        never exists at once). A provisional one waits for :meth:`end_prefill`."""
         if self.state is not LayerState.PREFILL:
             raise RuntimeError(
                 f"layer {self.layer_idx} was observed twice (state {self.state.name})"
             )
         self.observation = observation
         self.state = LayerState.OBSERVED
+        if final:
+            self.end_prefill()
+
+    def continue_prefill(self) -> None:
+        """Another chunk of the prompt follows a provisional observation (``OBSERVED`` ->
+        ``PREFILL``); refused where the statistics cannot take it exactly."""
+        self.prefill_stats.check_next_chunk()
+        self.observation = None
+        self.state = LayerState.PREFILL
+
+    def end_prefill(self) -> None:
+        """The observation held covers the whole prompt: drop the chunk statistics and, for a
+        layerwise policy, evict now."""
+        self.prefill_stats = None
+        self.prompt_complete = True
         if self.policy.layerwise:
             evict_layers(self.policy, [self], num_layers=self.num_evicting)
 
@@ -337,6 +362,8 @@ class EvictingLayer(CacheLayerMixin):
         self._tail_values = self._tail_values[:, :, :0].clone()
         self.tail_length = 0
         self.observation = None
+        self.prefill_stats = None
+        self.prompt_complete = True
         self.state = LayerState.EVICTED
 
     def _current_entries(self, h: int):
@@ -374,15 +401,18 @@ class ProbKVCache(Cache):
     """A ``transformers.Cache`` that evicts with a probkv policy after prefill.
 
     Build it for a model prepared with ``probkv.hf.prepare_model`` and pass it to ``generate``
-    (``cache=...``) or to a forward loop. The first forward (the prompt) is observed: the
-    attention function computes each layer's output and the statistics the policy needs from
-    the real post-RoPE queries, keys and values. Eviction runs as soon as every evicting layer
-    has been observed, at the start of the next forward, or when ``evict()`` is called. Layers
-    of policies that decide each layer on its own (per-head scope) are evicted right after their
-    prefill attention, so the full cache of all layers never exists at once.
+    (``cache=...``) or to a forward loop. The prompt is observed: the attention function
+    computes each layer's output and the statistics the policy needs from the real post-RoPE
+    queries, keys and values, in one or several forwards (``probkv.hf.prefill``: where the
+    prompt ends). Eviction runs when it has ended and every evicting layer is observed, at
+    the next forward or on ``evict()``; with ``prompt_length``, layerwise policies evict each
+    layer right after its last prefill attention (the full cache never exists at once). A
+    cache holds one prompt and refuses input that does not continue it (``hf.guards``).
     """
 
-    def __init__(self, config, policy: EvictionPolicy) -> None:
+    def __init__(self, config, policy: EvictionPolicy, *, prompt_length: int | None = None) -> None:
+        if prompt_length is not None:
+            check_positive_int(prompt_length, "prompt_length")
         text_config = config.get_text_config(decoder=True)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
         num_evicting = layer_types.count("full_attention")
@@ -390,7 +420,7 @@ class ProbKVCache(Cache):
         for i, (kind, kw) in enumerate(zip(layer_types, layer_kwargs)):
             if kind == "full_attention":
                 rank = layer_types[:i].count("full_attention")
-                layers.append(EvictingLayer(i, policy, rank, num_evicting))
+                layers.append(EvictingLayer(i, policy, rank, num_evicting, prompt_length))
             elif kind == "sliding_attention":
                 layers.append(DynamicSlidingWindowLayer(**kw))
             else:
@@ -408,16 +438,33 @@ class ProbKVCache(Cache):
             i for i, layer in enumerate(layers) if isinstance(layer, EvictingLayer)
         ]
         self.num_evictions = 0
+        self.prompt_length = prompt_length
+        self.layer_types = list(layer_types)  # of the config it was built for (issue 11)
         # ``[1, t]`` the token ids the cache holds, set by ``probkv.hf.compress`` / ``observe``
         # so that ``generate`` can continue with true positions; ``None`` until then.
         self.token_ids: torch.Tensor | None = None
 
     # ---------------------------------------------------------------- protocol
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        # A new forward starts at layer 0: evict first if prefill left a global decision pending.
-        if layer_idx == 0 and self.eviction_pending:
-            self.evict()
+        guards.check_layer_index(layer_idx, len(self.layers))  # issue 11: another model's
+        if layer_idx == 0:  # a new forward starts at layer 0
+            self._start_forward(key_states.shape[-2], kwargs.get("kwargs"))
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _start_forward(self, new_tokens: int, attention_kwargs: dict | None) -> None:
+        """Checks and decisions before a forward's first layer: the model is the cache's, the
+        input continues what the cache holds, and where the prompt ends (module docstring)."""
+        guards.check_layers_used(self.layers)
+        guards.check_continues(self.get_seq_length(), attention_kwargs)
+        if self.prefill_open:
+            if new_tokens > 1:  # another chunk of the prompt
+                for i in self.evicting_layers:
+                    self.layers[i].continue_prefill()
+            else:  # the first decode step: the prompt has ended
+                self.end_prefill()
+        # Evict first if the prefill left a global decision pending.
+        if self.eviction_pending:
+            self.evict()
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         # Any evicting layer gives the logical length; sliding layers count tokens too.
@@ -428,6 +475,28 @@ class ProbKVCache(Cache):
     def eviction_pending(self) -> bool:
         """Every evicting layer observed its prefill and waits for the policy (global scope)."""
         return all(self.layers[i].state is LayerState.OBSERVED for i in self.evicting_layers)
+
+    @property
+    def prefill_open(self) -> bool:
+        """The layers hold a provisional observation: the prompt may go on (module docstring)."""
+        return any(
+            self.layers[i].state is LayerState.OBSERVED and not self.layers[i].prompt_complete
+            for i in self.evicting_layers
+        )
+
+    def end_prefill(self) -> None:
+        """Declare the prompt ended (``probkv.hf.prefill``): the observations become final;
+        layerwise policies evict now, a global one at the next forward or ``evict()``."""
+        layers = [self.layers[i] for i in self.evicting_layers]
+        if any(layer.state is LayerState.PREFILL for layer in layers):
+            expected = f" of prompt_length={self.prompt_length}" if self.prompt_length else ""
+            raise ValueError(
+                f"the prompt cannot end after {self.get_seq_length()} tokens{expected}: "
+                "no complete prompt has been observed"
+            )
+        for layer in layers:
+            if layer.state is LayerState.OBSERVED and not layer.prompt_complete:
+                layer.end_prefill()
 
     def evict(self, policy: EvictionPolicy | None = None) -> None:
         """Run the policy on every observed layer and evict them.
@@ -447,6 +516,7 @@ class ProbKVCache(Cache):
             raise ValueError(
                 f"cannot evict before prefill: layers {missing} have not been observed"
             )
+        # Evicting ends the prompt (a provisional observation becomes final).
         evict_layers(self.policy, layers, num_layers=len(self.evicting_layers))
         self.num_evictions += 1
 
