@@ -28,7 +28,7 @@ from __future__ import annotations
 import copy
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import (
@@ -42,6 +42,7 @@ from probkv._checks import check_positive_int
 from probkv.budgets import retained_attention_mass
 from probkv.estimator import compose_log_weights, kish_effective_sample_size
 from probkv.hf import guards
+from probkv.hf.prefix import RaggedPrefix
 from probkv.observation import PrefillStatistics
 from probkv.policies.base import (
     EvictionPolicy,
@@ -89,37 +90,6 @@ class LayerReport:
         return out
 
 
-@dataclass
-class _Prefix:
-    """The ragged, weighted prefix of an evicted layer (flattened head after head)."""
-
-    keys: torch.Tensor  # [N, d]
-    values: torch.Tensor  # [N, d_v]
-    log_weights: torch.Tensor | None  # [N] float32, None = no correction
-    lengths: list[int]  # per KV head
-    offsets: list[int] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.offsets = [0]
-        for n in self.lengths:
-            self.offsets.append(self.offsets[-1] + n)
-
-    @property
-    def uniform_length(self) -> bool:
-        return len(set(self.lengths)) <= 1
-
-    def head(self, h: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        a, b = self.offsets[h], self.offsets[h + 1]
-        lw = None if self.log_weights is None else self.log_weights[a:b]
-        return self.keys[a:b], self.values[a:b], lw
-
-    def nbytes(self) -> int:
-        tensors = [self.keys, self.values]
-        if self.log_weights is not None:
-            tensors.append(self.log_weights)
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-
 class EvictingLayer(CacheLayerMixin):
     """One global-attention layer's cache with eviction and decode-time correction."""
 
@@ -144,13 +114,13 @@ class EvictingLayer(CacheLayerMixin):
         self.prompt_length = prompt_length
         self.prefill_stats: PrefillStatistics | None = None
         self.prompt_complete = False  # the observation covers the whole prompt
-        self.prefix: _Prefix | None = None
+        self.prefix: RaggedPrefix | None = None
         self.prefix_length = 0  # logical entries covered by the prefix (t at eviction)
         self._tail_keys: torch.Tensor | None = None  # [1, Hkv, capacity, d]
         self._tail_values: torch.Tensor | None = None
         self.tail_length = 0
         self.state = LayerState.PREFILL
-        self.observation: LayerObservation | None = None  # held in state OBSERVED only
+        self._observation: LayerObservation | None = None  # held in state OBSERVED only
         self.report: LayerReport | None = None  # set by every eviction
         self._awaiting_attention = False  # update() ran, probkv's attention not yet
 
@@ -280,10 +250,23 @@ class EvictingLayer(CacheLayerMixin):
         """probkv's attention function ran after ``update`` (checked at the next update)."""
         self._awaiting_attention = False
 
-    def observed(self, observation: LayerObservation, *, final: bool = True) -> None:
-        """Record the prefill's observation (``PREFILL`` -> ``OBSERVED``). ``final``: it
-        covers the whole prompt; a layerwise policy then evicts right away (the full cache
-        never exists at once). A provisional one waits for :meth:`end_prefill`."""
+    @property
+    def observation(self) -> LayerObservation | None:
+        """Held in state ``OBSERVED``; a provisional one (the prompt's end unknown) is computed
+        from the chunk statistics when first read."""
+        if self._observation is None and self.state is LayerState.OBSERVED and self.prefill_stats:
+            self._observation = self.prefill_stats.observe(
+                self.tail_keys[0], self.tail_values[0], layer_idx=self.layer_idx, rank=self.rank
+            )
+        return self._observation
+
+    @observation.setter
+    def observation(self, value: LayerObservation | None) -> None:
+        self._observation = value
+
+    def observed(self, observation: LayerObservation | None, *, final: bool = True) -> None:
+        """``PREFILL`` -> ``OBSERVED``. ``final`` (the whole prompt): a layerwise policy evicts
+        now (the full cache never exists at once); else :meth:`end_prefill` ends it later."""
         if self.state is not LayerState.PREFILL:
             raise RuntimeError(
                 f"layer {self.layer_idx} was observed twice (state {self.state.name})"
@@ -294,15 +277,15 @@ class EvictingLayer(CacheLayerMixin):
             self.end_prefill()
 
     def continue_prefill(self) -> None:
-        """Another chunk of the prompt follows a provisional observation (``OBSERVED`` ->
-        ``PREFILL``); refused where the statistics cannot take it exactly."""
+        """Another prompt chunk after a provisional observation: ``OBSERVED`` -> ``PREFILL``."""
         self.prefill_stats.check_next_chunk()
         self.observation = None
         self.state = LayerState.PREFILL
 
     def end_prefill(self) -> None:
-        """The observation held covers the whole prompt: drop the chunk statistics and, for a
-        layerwise policy, evict now."""
+        """The observation covers the whole prompt (computed now if provisional): drop the
+        chunk statistics; a layerwise policy evicts now."""
+        self.observation = self.observation
         self.prefill_stats = None
         self.prompt_complete = True
         if self.policy.layerwise:
@@ -350,7 +333,7 @@ class EvictingLayer(CacheLayerMixin):
             )
             if not torch.isfinite(log_weights).all():
                 raise ValueError(f"layer {self.layer_idx}: selection has non-finite log-weights")
-        self.prefix = _Prefix(
+        self.prefix = RaggedPrefix(
             keys=torch.cat(keys).contiguous(),
             values=torch.cat(values).contiguous(),
             log_weights=log_weights,
@@ -462,8 +445,7 @@ class ProbKVCache(Cache):
                     self.layers[i].continue_prefill()
             else:  # the first decode step: the prompt has ended
                 self.end_prefill()
-        # Evict first if the prefill left a global decision pending.
-        if self.eviction_pending:
+        if self.eviction_pending:  # a global decision, or the prompt's end, left pending
             self.evict()
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -489,11 +471,8 @@ class ProbKVCache(Cache):
         layerwise policies evict now, a global one at the next forward or ``evict()``."""
         layers = [self.layers[i] for i in self.evicting_layers]
         if any(layer.state is LayerState.PREFILL for layer in layers):
-            expected = f" of prompt_length={self.prompt_length}" if self.prompt_length else ""
-            raise ValueError(
-                f"the prompt cannot end after {self.get_seq_length()} tokens{expected}: "
-                "no complete prompt has been observed"
-            )
+            of = f" of prompt_length={self.prompt_length}" if self.prompt_length else ""
+            raise ValueError(f"the prompt cannot end after {self.get_seq_length()} tokens{of}")
         for layer in layers:
             if layer.state is LayerState.OBSERVED and not layer.prompt_complete:
                 layer.end_prefill()
@@ -516,7 +495,6 @@ class ProbKVCache(Cache):
             raise ValueError(
                 f"cannot evict before prefill: layers {missing} have not been observed"
             )
-        # Evicting ends the prompt (a provisional observation becomes final).
         evict_layers(self.policy, layers, num_layers=len(self.evicting_layers))
         self.num_evictions += 1
 

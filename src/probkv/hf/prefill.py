@@ -62,9 +62,12 @@ def observe_prompt_chunk(
             policy.score, policy.score_params, scale, prompt_length=layer.prompt_length
         )
     out = layer.prefill_stats.add_chunk(query, key, value)
-    if final or layer.prompt_length is None:
+    if final:
         observation = layer.prefill_stats.observe(
             key, value, query=query, layer_idx=layer.layer_idx, rank=layer.rank
         )
-        layer.observed(observation, final=final)
+        layer.observed(observation)
+    elif layer.prompt_length is None:
+        # Provisional (the prompt may go on): computed from the statistics only if read.
+        layer.observed(None, final=False)
     return out
