@@ -400,6 +400,13 @@ def test_summary_errors_name_line_and_file(tmp_path):
     rows, config, labels = load_run(folder)
     with pytest.raises(ValueError, match=rf"^line 4 of {results}: results row lacks the field"):
         summarize(rows, config=config, row_labels=labels)
+    results.write_text(json.dumps({**full, "score": "high"}) + "\n")
+    rows, config, labels = load_run(folder)
+    with pytest.raises(ValueError, match=rf"^line 1 of {results}: field 'score' must be a number"):
+        summarize(rows, config=config, row_labels=labels)
+    results.write_text(json.dumps({**full, "id": ["a"]}) + "\n")
+    with pytest.raises(ValueError, match=rf"{results}:1: field 'id' must be a string, got \['a'\]"):
+        load_run(folder)
 
 
 # -- run folders -----------------------------------------------------------------------------------

@@ -77,6 +77,9 @@ def check_row(row: Any, where: str) -> dict[str, Any]:
     ratio = row["ratio"]
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
         raise ValueError(f"{where}: field 'ratio' must be a number, got {ratio!r}")
+    for key in ("id", "task", "method"):
+        if not isinstance(row[key], str):
+            raise ValueError(f"{where}: field {key!r} must be a string, got {row[key]!r}")
     return row
 
 

@@ -70,6 +70,12 @@ def summarize(
         missing = [k for k in _SUMMARY_KEYS if k not in r]
         if missing:
             raise ValueError(f"{where}: results row lacks the field(s) {missing}")
+        for key in ("score", *_SUMMARY_KEYS):
+            value = r[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{where}: field {key!r} must be a number, got {value!r}")
+            if not math.isfinite(value):
+                raise ValueError(f"{where}: field {key!r} must be finite, got {value!r}")
     order = list(cfg.get("methods") or [])
     order += [m for m in dict.fromkeys(r["method"] for r in rows) if m not in order]
     methods = [m for m in order if any(r["method"] == m for r in rows)]
