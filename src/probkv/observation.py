@@ -210,7 +210,7 @@ class PrefillStatistics:
                 sums[0, :, : self.length] += self.column_sums
             self.column_sums = sums[0]
         rows = query if self.last_queries is None else torch.cat([self.last_queries, query], 1)
-        self.last_queries = rows[:, -self.rows_kept :]
+        self.last_queries = rows[:, -self.rows_kept :].clone()  # not a view of the whole chunk
         self.length = t
         return out
 

@@ -210,8 +210,11 @@ class EvictingLayer(CacheLayerMixin):
         need = self.tail_length + n
         capacity = 0 if self._tail_keys is None else self._tail_keys.shape[2]
         if need > capacity:
-            # The first (prefill) chunk is stored exactly; later appends grow geometrically.
+            # The prompt is stored exactly (all of it at its first chunk when its length is
+            # known: no copy per chunk); later appends grow geometrically.
             new_cap = need if self.tail_length == 0 else need + max(_TAIL_GROWTH, capacity // 8)
+            if self.state is LayerState.PREFILL and self.prompt_length:
+                new_cap = max(need, self.prompt_length)
             self._tail_keys = self._grow(self._tail_keys, key_states, new_cap)
             self._tail_values = self._grow(self._tail_values, value_states, new_cap)
         self._tail_keys[:, :, self.tail_length : need] = key_states
