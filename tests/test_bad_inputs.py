@@ -566,11 +566,14 @@ def tiny_llama():
 
 
 def _method_specs() -> list[str]:
-    from probkv.policies import method_names, method_options
+    """Every method name (with its main options) whose score reads the prefill's own rows; a
+    score read from a reconstruction pass needs the tokenizer's repeat prompt (S10.1)."""
+    from probkv.policies import method_names, method_options, parse_method
+    from probkv.scores import needs_reconstruction
 
     specs = []
     for name in method_names():
-        if name == "full":
+        if name == "full" or needs_reconstruction(parse_method(name, 0.5).score):
             continue
         options = _PROB_OPTIONS if name.startswith("prob:") else _TOPK_OPTIONS
         allowed = set(method_options(name))
