@@ -378,7 +378,7 @@ def prefill_comparison(t: int, args: argparse.Namespace) -> dict:
             plain = best_of(lambda: model(input_ids=ids, use_cache=True, logits_to_keep=1), 1)
             out["plain"] = min(out["plain"], plain[0])
             prepare_model(model)
-            cache = ProbKVCache(model.config, policy)
+            cache = ProbKVCache(model.config, policy, prompt_length=t)
             start = time.perf_counter()
             model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
             middle = time.perf_counter()

@@ -50,7 +50,7 @@ def prefill(model, ids, method: str | None, ratio: float):
         cache = DynamicCache(config=model.config)
     else:
         prepare_model(model)
-        cache = ProbKVCache(model.config, parse_method(method, ratio))
+        cache = ProbKVCache(model.config, parse_method(method, ratio), prompt_length=ids.shape[1])
     start = time.perf_counter()
     out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
     if method is not None and cache.eviction_pending:

@@ -7,6 +7,7 @@ to 1e-12; float32 comparisons use tolerances from float32 rounding (stated where
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -18,6 +19,7 @@ from hypothesis import strategies as st
 from probkv.attention import (
     _chunked_attention,
     attention_rows,
+    causal_attention_rows_with_column_sums,
     causal_attention_with_column_sums,
     default_chunk_size,
     harmonic_row_weights,
@@ -322,3 +324,36 @@ def test_bad_input_raises_value_error_naming_the_value():
         attention_rows(q[:, :1], k, scale=1.0, row_positions=[1.0])
     with pytest.raises(ValueError, match="t must be >= 1, got 0"):
         harmonic_row_weights(0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    t=st.integers(1, 60),
+    hkv=st.integers(1, 3),
+    g=st.integers(1, 3),
+    cuts=st.lists(st.integers(1, 59), max_size=4),
+    chunk=st.one_of(st.none(), st.integers(1, 9)),
+)
+def test_rows_at_an_offset_add_up_to_the_one_pass_kernel(t, hkv, g, cuts, chunk):
+    """A prefill in chunks (issue 11): each chunk's rows attend to every earlier key, so the
+    chunks' outputs are the one-pass rows and their column sums add up to the one-pass sums,
+    the harmonic weighting included (weights of the final t sliced per chunk); float64."""
+    q, k, v = make_layer(t, hkv, g, seed=t)
+    w = torch.stack([uniform_row_weights(t, dtype=F64), harmonic_reference(t)])
+    ref_out, ref_sums = causal_attention_with_column_sums(q, k, v, scale=0.4, row_weights=w)
+    bounds = sorted({0, t, *(c for c in cuts if c < t)})
+    outputs, sums = [], torch.zeros_like(ref_sums)
+    for a, b in itertools.pairwise(bounds):
+        out, part = causal_attention_rows_with_column_sums(
+            q[:, a:b], k[:, :b], v[:, :b], scale=0.4, row_weights=w[:, a:b], chunk_size=chunk
+        )
+        outputs.append(out)
+        sums[..., :b] += part
+    torch.testing.assert_close(torch.cat(outputs, 1), ref_out, rtol=0, atol=1e-12)
+    torch.testing.assert_close(sums, ref_sums, rtol=0, atol=1e-12)
+
+
+def test_rows_at_an_offset_refuse_more_rows_than_keys():
+    q, k, v = make_layer(10, 2, 2)
+    with pytest.raises(ValueError, match="query_rows has 10 rows but there are only 9 keys"):
+        causal_attention_rows_with_column_sums(q, k[:, :9], v[:, :9], scale=1.0, row_weights=None)

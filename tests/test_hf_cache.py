@@ -391,3 +391,73 @@ def test_bfloat16_models_evict_and_match_at_ratio_zero(arch):
         assert prefix.log_weights.dtype == torch.float32
     new = answer(model, cache, random_ids(model, 3, seed=18), max_new_tokens=4)
     assert new.numel() == 4
+
+
+@pytest.mark.parametrize(
+    ("method", "ratio"),
+    [
+        ("prob:h2o/sampler=with_replacement/weights=counts/scope=global", 0.98),  # all empty
+        ("prob:h2o/scope=global", 0.5),  # some heads empty, some not (ragged)
+    ],
+)
+def test_empty_heads_decode_equals_the_oracle(tiny, method, ratio, monkeypatch):
+    """A sampled design may keep nothing of a head (S4: the empty sample is one of its draws,
+    and the weights stay unbiased with it): the tail alone then carries the softmax. A
+    1-token prompt at high ratio used to crash the decode (issue 11)."""
+    model = tiny
+    ids = random_ids(model, 1, seed=20)
+    new = random_ids(model, 4, seed=21)
+    selections = record_selections(monkeypatch)
+    cache = compress(model, ids, parse_method(method, ratio=ratio))
+    if ratio == 0.98:  # m = 0 draws: every head of every layer is empty
+        assert all(int(sel.lengths.max()) == 0 for sel in selections.values())
+    for report in cache.reports():
+        assert all(
+            m == 0.0 for m, k in zip(report.retained_attention_mass, report.kept_per_head) if k == 0
+        )
+    oracle_cache = DynamicCache(config=model.config)
+    model.set_attn_implementation("probkv_oracle")
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, cache=oracle_cache, use_cache=True)
+            set_oracle_bias(selections, 1)
+            expected = [
+                model(input_ids=c, cache=oracle_cache, use_cache=True).logits
+                for c in (new[:, :2], new[:, 2:3], new[:, 3:])
+            ]
+    finally:
+        ORACLE_BIAS.clear()
+        prepare_model(model)
+    with torch.no_grad():
+        got = [
+            model(input_ids=c, cache=cache).logits for c in (new[:, :2], new[:, 2:3], new[:, 3:])
+        ]
+    for e, g in zip(expected, got):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
+
+
+def test_answer_restores_every_layer_after_a_failure(monkeypatch):
+    """A forward that fails in a middle layer leaves layers with different numbers of new
+    tokens; answer() puts each back, so the compressed state is intact for the next question."""
+    import probkv.hf.attention as attention_module
+
+    model = prepare_model(tiny_model("qwen3", seed=0))  # 3 layers
+    context, question = random_ids(model, 30, seed=22), random_ids(model, 5, seed=23)
+    compressed = compress(model, context, parse_method("snapkv/window=4", ratio=0.5))
+    fresh = compressed.copy()
+    original = attention_module.evicted_attention
+
+    def failing(layer, query, scale):
+        if layer.layer_idx == 1:
+            raise RuntimeError("boom in layer 1")
+        return original(layer, query, scale)
+
+    monkeypatch.setattr(attention_module, "evicted_attention", failing)
+    with pytest.raises(RuntimeError, match="boom"):
+        answer(model, compressed, question, max_new_tokens=3)
+    monkeypatch.setattr(attention_module, "evicted_attention", original)
+    assert [compressed.layers[i].tail_length for i in compressed.evicting_layers] == [0, 0, 0]
+    assert torch.equal(
+        answer(model, compressed, question, max_new_tokens=3),
+        answer(model, fresh, question, max_new_tokens=3),
+    )

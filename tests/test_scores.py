@@ -16,7 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from probkv._checks import check_positive_int
-from probkv.attention import causal_attention_with_column_sums, harmonic_row_weights
+from probkv.attention import (
+    causal_attention_with_column_sums,
+    harmonic_row_weights,
+    uniform_row_weights,
+)
 from probkv.proposals import FLOOR
 from probkv.scores import (
     FORCED_LOG_SCORE,
@@ -30,6 +34,7 @@ from probkv.scores import (
     default_params,
     h2o,
     knorm,
+    last_query_rows,
     needs_reconstruction,
     on_attention_scale,
     score_param_names,
@@ -487,3 +492,28 @@ def test_bad_rows_are_refused_when_the_table_is_built():
         ScoreSpec(h2o, ("query", "key", "scale"), column_sums="uniform")
     with pytest.raises(ValueError, match="source must be one of"):
         ScoreSpec(value_norm, ("value",), source="decode")
+
+
+PREFILL_SCORES = [n for n in SCORE_NAMES if SCORE_TABLE[n].source == "prefill"]
+
+
+@pytest.mark.parametrize("name", PREFILL_SCORES)
+@pytest.mark.parametrize("t", [1, 5, 40])
+def test_scores_read_only_their_declared_last_rows(name, t):
+    """``last_rows`` is true (what a chunked prefill keeps, issue 11): with the column sums
+    given, the query rows before the last ``last_query_rows`` can be anything."""
+    q, k, v = make_layer(t, 2, 2, seed=t)
+    params = {"window": 4} if name == "snapkv" else {}
+    rows = last_query_rows(name, {**default_params(name), **params})
+    weighting = column_sums_needed(name)
+    sums = None
+    if weighting is not None:
+        w = uniform_row_weights(t, dtype=F64) if weighting == "uniform" else harmonic(t)
+        _, sums = causal_attention_with_column_sums(q, k, v, scale=0.3, row_weights=w[None])
+        sums = sums[0]
+    other = torch.randn_like(q) * 7
+    other[:, max(0, t - rows) :] = q[:, max(0, t - rows) :]
+    got = compute_scores(name, other, k, v, scale=0.3, column_sums=sums, **params)
+    ref = compute_scores(name, q, k, v, scale=0.3, column_sums=sums, **params)
+    assert torch.equal(got.log_scores, ref.log_scores)
+    assert rows == (4 if name == "snapkv" else 1)

@@ -148,21 +148,60 @@ def causal_attention_with_column_sums(
     _check_floating(key, "key")
     if value is not None:
         _check_floating(value, "value")
-    g = check_heads(query, key, value)
+    check_heads(query, key, value)
     if query.shape[1] != key.shape[1]:
         raise ValueError(
             f"query length {query.shape[1]} must equal key length {key.shape[1]} "
             "(prefill self-attention: row j attends to keys 0..j)"
         )
+    return _attention_with_column_sums(query, key, value, scale, row_weights, chunk_size)
+
+
+def causal_attention_rows_with_column_sums(
+    query_rows: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor | None,
+    *,
+    scale: float,
+    row_weights: torch.Tensor | None,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """``causal_attention_with_column_sums`` for the *last* ``q`` rows of a causal attention
+    over ``t >= q`` keys: a prefill chunk after ``t - q`` earlier entries (S1, S2).
+
+    Row ``r`` of ``query_rows [Hq, q, d]`` sits at position ``t - q + r`` and attends to keys
+    ``0 .. t - q + r``, its full causal prefix, exactly as in the one-pass kernel; so the
+    column sums of consecutive chunks add up to the one-pass column sums (a chunked prefill
+    accumulates them exactly). ``row_weights``: ``[S, q]``, one weight per given row.
+    Returns ``output [Hq, q, d_v]`` (or ``None``) and ``column_sums [S, Hq, t]``.
+    """
+    _check_floating(query_rows, "query_rows")
+    _check_floating(key, "key")
+    if value is not None:
+        _check_floating(value, "value")
+    check_heads(query_rows, key, value)
+    if query_rows.shape[1] > key.shape[1]:
+        raise ValueError(
+            f"query_rows has {query_rows.shape[1]} rows but there are only {key.shape[1]} keys "
+            "(the rows are the last positions of the keys)"
+        )
+    return _attention_with_column_sums(query_rows, key, value, scale, row_weights, chunk_size)
+
+
+def _attention_with_column_sums(query, key, value, scale, row_weights, chunk_size):
+    """Both public kernels, inputs checked but for the scale, weights and chunk size: rows
+    of ``query [Hq, q, d]`` are the last ``q`` of ``t = key.shape[1]`` positions."""
+    g = query.shape[0] // key.shape[0]
     scale = _check_scale(scale)
-    hq, t, _ = query.shape
-    hkv = key.shape[0]
-    row_weights = _check_row_weights(row_weights, t)
+    hq, q, _ = query.shape
+    hkv, t = key.shape[:2]
+    row_weights = _check_row_weights(row_weights, q)
     if chunk_size is None:
         on_cpu = query.device.type == "cpu"
         chunk = default_chunk_size(hq, t, max_rows=CPU_CHUNK_ROWS if on_cpu else None)
     else:
-        chunk = min(check_positive_int(chunk_size, "chunk_size"), t)
+        chunk = min(check_positive_int(chunk_size, "chunk_size"), q)
+    chunk = min(chunk, q)
 
     cdt = _compute_dtype(query, key, value)
     w = None if row_weights is None else row_weights.to(device=query.device, dtype=cdt)
@@ -179,7 +218,7 @@ def causal_attention_with_column_sums(
         heads_per_block=heads_per_block,
         dtype=cdt,
     )
-    output = None if out is None else out.view(hq, t, -1).to(query.dtype)
+    output = None if out is None else out.view(hq, q, -1).to(query.dtype)
     return output, col_sums.view(hkv * g, -1, t).transpose(0, 1).contiguous()
 
 
@@ -196,18 +235,20 @@ def _chunked_attention(
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """The kernel behind ``causal_attention_with_column_sums`` (inputs already checked).
 
-    Returns ``out [Hkv, g, t, d_v]`` (or ``None``) and ``col_sums [Hkv, g, S, t]`` in
-    ``dtype``. KV heads are processed ``heads_per_block`` at a time, rows ``chunk`` at a time.
+    Returns ``out [Hkv, g, q, d_v]`` (or ``None``) and ``col_sums [Hkv, g, S, t]`` in
+    ``dtype``. The ``q`` query rows are the last of the ``t`` key positions (``q = t``: a whole
+    prefill). KV heads are processed ``heads_per_block`` at a time, rows ``chunk`` at a time.
     """
-    hq, t, d = query.shape
-    hkv = key.shape[0]
+    hq, q, d = query.shape
+    hkv, t = key.shape[:2]
+    off = t - q  # position of the first query row
     g = hq // hkv
     hb = heads_per_block
     dev = query.device
     k = key.to(dtype).contiguous()
     v = None if value is None else value.to(dtype).contiguous()
     dv = 0 if v is None else v.shape[-1]
-    qg = query.reshape(hkv, g, t, d)  # a view: query head h = (h // g, h % g)
+    qg = query.reshape(hkv, g, q, d)  # a view: query head h = (h // g, h % g)
     num_w = 0 if row_weights is None else row_weights.shape[0]
 
     # Working buffers, reused by every chunk (fresh allocations per chunk cost page faults);
@@ -217,35 +258,38 @@ def _chunked_attention(
     o_buf = torch.empty(hb * g * chunk * dv, dtype=dtype, device=dev)
     above_diagonal = torch.ones(chunk, chunk, dtype=torch.bool, device=dev).triu_(1)
     col_sums = torch.zeros(hkv, g, num_w, t, dtype=dtype, device=dev)
-    out = None if v is None else torch.empty(hkv, g, t, dv, dtype=dtype, device=dev)
+    out = None if v is None else torch.empty(hkv, g, q, dv, dtype=dtype, device=dev)
     key_t = k.transpose(1, 2)  # [Hkv, d, t] view
 
     for h0 in range(0, hkv, hb):
         h1 = min(h0 + hb, hkv)
         nh = h1 - h0
-        for a in range(0, t, chunk):
-            b = min(a + chunk, t)
+        for a in range(0, q, chunk):
+            b = min(a + chunk, q)
             rows = b - a
+            end = off + b  # the chunk's rows see the causal columns [0, end)
             # queries of the chunk, pre-scaled, stacked per KV head as [g * rows, d] (GQA)
             qc = q_buf[: nh * g * rows * d].view(nh, g, rows, d)
             torch.mul(qg[h0:h1, :, a:b].to(dtype), scale, out=qc)
-            # logits against the causal columns [0, b) only (S1)
-            s = scores_buf[: nh * g * rows * b].view(nh, g * rows, b)
-            torch.bmm(qc.view(nh, g * rows, d), key_t[h0:h1, :, :b], out=s)
-            s.view(nh, g, rows, b)[..., a:b].masked_fill_(above_diagonal[:rows, :rows], -math.inf)
+            # logits against the causal columns only (S1)
+            s = scores_buf[: nh * g * rows * end].view(nh, g * rows, end)
+            torch.bmm(qc.view(nh, g * rows, d), key_t[h0:h1, :, :end], out=s)
+            s.view(nh, g, rows, end)[..., off + a : end].masked_fill_(
+                above_diagonal[:rows, :rows], -math.inf
+            )
             # row softmax in place (the kernel reads each element before writing it; the
             # tests compare with a dense reference): each row holds its whole causal
             # prefix, so its normaliser (log-sum-exp) is exact
             torch.softmax(s, -1, out=s)
             if out is not None:
                 oc = o_buf[: nh * g * rows * dv].view(nh, g * rows, dv)
-                torch.bmm(s, v[h0:h1, :b], out=oc)
+                torch.bmm(s, v[h0:h1, :end], out=oc)
                 out[h0:h1, :, a:b].copy_(oc.view(nh, g, rows, dv))
             if num_w:
-                # weighted column sums (S2): [S, rows] @ [rows, b] for every query head
+                # weighted column sums (S2): [S, rows] @ [rows, end] for every query head
                 wc = row_weights[:, a:b].unsqueeze(0).expand(nh * g, num_w, rows)
-                col_sums[h0:h1, :, :, :b].view(nh * g, num_w, b).baddbmm_(
-                    wc, s.view(nh * g, rows, b)
+                col_sums[h0:h1, :, :, :end].view(nh * g, num_w, end).baddbmm_(
+                    wc, s.view(nh * g, rows, end)
                 )
     return out, col_sums
 

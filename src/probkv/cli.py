@@ -117,6 +117,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
 
 def _run_generate(args: argparse.Namespace) -> int:
     """Load a model (converting its GGUF once into the cache) and answer a prompt greedily."""
+    if not args.prompt.strip():  # checked before the model loads
+        raise ValueError("--prompt is empty; give the user message, e.g. --prompt 'Hello?'")
     start = time.perf_counter()
     resolved = resolve_model(args.model)
     model, tokenizer = load_model(resolved.path)

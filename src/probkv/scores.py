@@ -65,6 +65,7 @@ __all__ = [
     "h2o_reconstruction",
     "knorm",
     "kvzip",
+    "last_query_rows",
     "min_reconstruction",
     "min_variance",
     "min_variance_harmonic",
@@ -139,6 +140,9 @@ class ScoreSpec:
     also take ``chunk_size``. ``attention_scale``: the log-scores are logs of attention
     probabilities, comparable across heads as they are (Ada-KV, S6); the others are made
     distributions per head first. ``source``: ``"prefill"`` or ``"reconstruction"``.
+    ``last_rows``: how many of the last query rows the function reads (an int, or the name of
+    the parameter that sets it); every other row reaches it only through ``column_sums``. A
+    prefill seen in chunks keeps just these rows (``probkv.observation.PrefillStatistics``).
     """
 
     function: Callable[..., Scores]
@@ -147,6 +151,7 @@ class ScoreSpec:
     column_sums: Literal["uniform", "harmonic"] | None = None
     attention_scale: bool = False
     source: Literal["prefill", "reconstruction"] = "prefill"
+    last_rows: int | str = 1
 
     def __post_init__(self) -> None:
         # A row that cannot be called as declared fails at import, not at the first prefill.
@@ -157,6 +162,10 @@ class ScoreSpec:
         if (self.column_sums is None) == ("column_sums" in self.inputs):
             raise ValueError(f"{self.function.__name__}: column_sums and inputs disagree")
         check_choice(self.source, SCORE_SOURCES, "source")
+        if isinstance(self.last_rows, str):
+            check_choice(self.last_rows, self.params, "last_rows")
+        else:
+            check_positive_int(self.last_rows, "last_rows")
 
     @property
     def all_params(self) -> dict[str, Param]:
@@ -209,6 +218,7 @@ SCORE_TABLE: dict[str, ScoreSpec] = {
             "alpha": _ALPHA,
         },
         attention_scale=True,
+        last_rows="window",
     ),
     "tova": ScoreSpec(tova, ("query", "key", "scale"), attention_scale=True),
     "knorm": ScoreSpec(knorm, ("key",)),
@@ -250,6 +260,16 @@ def column_sums_needed(name: str) -> Literal["uniform", "harmonic"] | None:
     """Which all-rows column sums score ``name`` needs: ``"uniform"`` (``h2o``),
     ``"harmonic"`` (``h2o-h``, ``min-h``) or ``None`` (the others)."""
     return score_spec(name).column_sums
+
+
+def last_query_rows(name: str, params: Mapping[str, object]) -> int:
+    """How many of the last query rows score ``name`` reads with ``params`` (its row's
+    ``last_rows``: SnapKV's window, 1 for the others); earlier rows only through column sums."""
+    rows = score_spec(name).last_rows
+    if isinstance(rows, str):
+        value = params.get(rows, score_spec(name).params[rows].default)
+        return check_positive_int(value, rows)
+    return rows
 
 
 def needs_reconstruction(name: str) -> bool:

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from probkv.eval import plots
-from probkv.eval.store import RESULTS_FILE
+from probkv.eval.store import CONFIG_FILE, RESULTS_FILE
 from probkv.eval.summary import summarize
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -185,6 +185,9 @@ def test_plot_run_reads_a_results_folder(tmp_path):
     folder = tmp_path / "run"
     folder.mkdir()
     (folder / RESULTS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows()))
+    # The run's configuration (without it the rows are not plotted: test_bad_inputs.py).
+    methods = list(dict.fromkeys(r["method"] for r in rows()))
+    (folder / CONFIG_FILE).write_text(json.dumps({"methods": methods}))
     figures = plots.plot_run(folder)
     assert len(figures.paths) == 5 and not figures.skipped
     for p in figures.paths:

@@ -349,6 +349,9 @@ def validate_arguments(
     ratios = [check_ratio(r, "ratios") for r in ratios]
     if not ratios:
         raise ValueError("ratios must not be empty")
+    repeated = sorted({r for r in ratios if ratios.count(r) > 1})
+    if repeated:  # every row would be measured and written twice (eval refuses them too)
+        raise ValueError(f"ratios lists {', '.join(map(str, repeated))} twice; give each once")
     taus = [check_tau(tau, "taus") for tau in taus]
     if any(math.isinf(tau) for tau in taus):
         raise ValueError("taus must be finite (tau = inf is the uncorrected estimator, reported)")

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from probkv.cli_args import positive_int
+from probkv.eval.outputs import check_output_file, remove_quietly
 
 TAUS = "1,2,5,10,50"
 RATIOS = "0.25,0.5,0.75,0.9"
@@ -138,15 +139,16 @@ def run_attention_error(args: argparse.Namespace) -> int:
         scope=args.scope,
         steps=args.steps,
     )
+    # Everything the user gave is checked before the model loads (issue 11).
+    check_output_file(args.out, "--out")
+    question = PAPER_QUESTION if args.question is None else args.question
+    if not question.strip():
+        raise ValueError("--question is empty; give a question or omit --question")
+    text = None if args.prompt_file is None else read_prompt_file(args.prompt_file)
     start = time.perf_counter()
     model, tokenizer = load_model(args.model)
     prepare_model(model)
-    question = PAPER_QUESTION if args.question is None else args.question
-    if args.prompt_file is not None:
-        try:
-            text = args.prompt_file.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as err:
-            raise ValueError(f"--prompt-file {args.prompt_file}: {err}") from err
+    if text is not None:
         prompt = ae.text_prompt(
             tokenizer, text, question, format=args.format or "chat", source="file"
         )
@@ -203,12 +205,38 @@ def run_attention_error(args: argparse.Namespace) -> int:
     return 0
 
 
+def read_prompt_file(path: Path) -> str:
+    """The text of ``--prompt-file``: UTF-8 and not blank, else a ValueError naming the flag."""
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise ValueError(f"--prompt-file {str(path)!r}: cannot read it ({err.strerror})") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"--prompt-file {str(path)!r}: not valid UTF-8 (byte 0x{data[err.start]:02x} at "
+            f"offset {err.start}); give a UTF-8 text file"
+        ) from None
+    if not text.strip():
+        raise ValueError(f"--prompt-file {str(path)!r} is empty; give a file with the prompt text")
+    return text
+
+
 def write_json(path: Path, payload: dict) -> None:
-    """Write ``payload`` atomically (temporary file, then rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write ``payload`` atomically (temporary file, then rename); on failure the temporary
+    file is removed."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(payload, indent=1, allow_nan=False) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(payload, indent=1, allow_nan=False) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as err:
+        remove_quietly(tmp)
+        raise ValueError(f"--out {str(path)!r}: cannot write it ({err.strerror})") from None
+    except BaseException:
+        remove_quietly(tmp)
+        raise
 
 
 def format_table(rows: list[dict]) -> str:

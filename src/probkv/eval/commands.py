@@ -18,6 +18,7 @@ from pathlib import Path
 
 from probkv.cli_args import comma_list, length_list, positive_int, ratio_list
 from probkv.eval.config import RunConfig
+from probkv.eval.outputs import check_output_file, check_output_folder
 from probkv.eval.store import SUMMARY_JSON, SUMMARY_MD
 from probkv.eval.summary import summary_markdown
 from probkv.eval.tasks import TASK_NAMES
@@ -85,6 +86,13 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         "--question-aware",
         action="store_true",
         help="evict after context + question (default: before the question is seen)",
+    )
+    ev.add_argument(
+        "--truncate-middle",
+        action="store_true",
+        help="cut the middle of a context that does not fit the model's positions with its "
+        "question and max_new_tokens, as LongBench's evaluation does (default: refuse such "
+        "an example before any job runs)",
     )
     ev.add_argument(
         "--workers",
@@ -187,6 +195,7 @@ def run_eval_command(args: argparse.Namespace) -> int:
         seed=args.seed,
         question_aware=args.question_aware,
         max_examples=args.max_examples,
+        truncate_middle=args.truncate_middle,
     )
     start = time.perf_counter()
     report = run_eval(
@@ -209,10 +218,16 @@ def run_eval_command(args: argparse.Namespace) -> int:
 
 
 def run_plot_command(args: argparse.Namespace) -> int:
-    """``probkv plot``: a run folder's figures, or an attention-error file's figure."""
+    """``probkv plot``: a run folder's figures, or an attention-error file's figure. The
+    output (``--out``, default beside the input) is checked before anything is read."""
+    path = Path(args.path)
+    flag = "--out" if args.out is not None else "PATH (the default output)"
+    if path.is_dir():
+        check_output_folder(path if args.out is None else args.out, flag)
+    elif path.is_file():
+        check_output_file(path.with_suffix(".png") if args.out is None else args.out, flag)
     from probkv.eval.plots import plot_attention_error_file, plot_run  # loads matplotlib
 
-    path = Path(args.path)
     if path.is_dir():
         figures = plot_run(path, args.out)
         for p in figures.paths:

@@ -36,7 +36,11 @@ IDENTITY_KEYS = (
     "seed",
     "question_aware",
     "max_examples",
+    "truncate_middle",
 )
+
+#: What an identity key means when a run folder's config.json predates it (older probkv).
+IDENTITY_DEFAULTS = {"truncate_middle": False}
 
 
 def canonical_method(spec: str) -> str:
@@ -74,6 +78,9 @@ class RunConfig:
         question_aware: evict after the question instead of before it (see
             :mod:`probkv.eval.runner`).
         max_examples: keep only the first N examples (after loading or generating).
+        truncate_middle: cut the middle of a context that, with its question and
+            ``max_new_tokens``, exceeds the model's positions (LongBench's truncation);
+            without it such an example is refused before any job runs.
     """
 
     model: str
@@ -87,6 +94,7 @@ class RunConfig:
     seed: int = 0
     question_aware: bool = False
     max_examples: int | None = None
+    truncate_middle: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -130,6 +138,8 @@ class RunConfig:
             raise ValueError(f"question_aware must be True or False, got {self.question_aware!r}")
         if self.max_examples is not None:
             check_positive_int(self.max_examples, "max_examples")
+        if not isinstance(self.truncate_middle, bool):
+            raise ValueError(f"truncate_middle must be True or False, got {self.truncate_middle!r}")
 
     def jobs_per_example(self) -> list[tuple[str, float]]:
         """The (method, ratio) pairs every example is run with (``full`` once, at ratio 0)."""
@@ -156,6 +166,12 @@ def config_identity(config: RunConfig) -> dict[str, Any]:
     out = config.to_json()
     out["data_sha256"] = None if config.data is None else file_sha256(config.data)
     return {k: out[k] for k in IDENTITY_KEYS}
+
+
+def stored_identity(record: Mapping[str, Any]) -> dict[str, Any]:
+    """The identity a run folder's ``config.json`` record holds; a key it predates takes its
+    default (:data:`IDENTITY_DEFAULTS`), so older folders still resume."""
+    return {k: record.get(k, IDENTITY_DEFAULTS.get(k)) for k in IDENTITY_KEYS}
 
 
 def describe_difference(old: Mapping[str, Any], new: Mapping[str, Any]) -> str:

@@ -13,6 +13,11 @@
   ``shared_prefill`` says how many jobs shared it.
 - Every prefill computes logits for its last position only (``logits_to_keep=1``, as
   ``probkv.hf.compress`` and ``observe`` do), so prefill times compare fairly across methods.
+- Context limit: a prompt plus its ``max_new_tokens`` must fit the model's positions
+  (``probkv.models.max_positions``). :func:`check_prompts` refuses, before any job runs, an
+  example that does not fit; with ``truncate_middle`` its context is cut in the middle
+  instead (``probkv.eval.examples.fit_context``, as LongBench's evaluation does), by the
+  same function :func:`job_prompt_ids` that every job uses.
 """
 
 from __future__ import annotations
@@ -27,12 +32,12 @@ import torch
 from transformers import DynamicCache
 
 from probkv.eval.config import FULL
-from probkv.eval.examples import Example, score_example
+from probkv.eval.examples import ContextTooLongError, Example, fit_context, score_example
 from probkv.eval.plan import Unit
 from probkv.eval.prompt import prompt_token_ids
 from probkv.eval.store import ROW_FIELDS
 from probkv.hf import answer, compress, observe, prepare_model, repeat_prompt
-from probkv.models import load_model
+from probkv.models import load_model, max_positions
 from probkv.policies import parse_method
 from probkv.scores import needs_reconstruction
 
@@ -44,6 +49,7 @@ class JobSettings:
     model: str
     question_aware: bool = False
     seed: int = 0
+    truncate_middle: bool = False
 
 
 def load_prepared_model(name: str, threads: int):
@@ -68,12 +74,40 @@ def split_prompt(
     return ids[:cut], ids[cut:]
 
 
-def check_prompts(examples: Sequence[Example], tokenizer: Any) -> None:
-    """Refuse, before any job runs, an example whose prompt cannot be built or has fewer than
-    2 tokens (one to prefill and evict, one to feed after eviction)."""
+def job_prompt_ids(
+    example: Example, tokenizer: Any, limit: int, *, truncate_middle: bool = False
+) -> tuple[list[int], list[int], int]:
+    """``(context_ids, question_ids, truncated)`` of ``example`` as every job feeds them: the
+    prompt's two parts (``probkv.eval.prompt``), the context cut in the middle to fit
+    ``limit`` positions with ``truncate_middle`` (``truncated`` tokens removed); an example
+    that does not fit is a :class:`~probkv.eval.examples.ContextTooLongError`."""
+    context_ids, question_ids = prompt_token_ids(example, tokenizer)
+    fitted = fit_context(
+        context_ids,
+        question_ids,
+        example.max_new_tokens,
+        limit,
+        example_id=example.id,
+        truncate=truncate_middle,
+    )
+    return fitted, question_ids, len(context_ids) - len(fitted)
+
+
+def check_prompts(
+    examples: Sequence[Example], tokenizer: Any, limit: int, *, truncate_middle: bool = False
+) -> None:
+    """Refuse, before any job runs, an example whose prompt cannot be built, has fewer than
+    2 tokens (one to prefill and evict, one to feed after eviction), or does not fit the
+    model's ``limit`` positions with its ``max_new_tokens`` (unless ``truncate_middle``
+    can cut its context to fit)."""
     for ex in examples:
         try:
-            context_ids, question_ids = prompt_token_ids(ex, tokenizer)
+            context_ids, question_ids, _ = job_prompt_ids(
+                ex, tokenizer, limit, truncate_middle=truncate_middle
+            )
+        except ContextTooLongError as err:
+            hint = "" if truncate_middle else "; or rerun with --truncate-middle"
+            raise ValueError(f"{err}{hint}") from None
         except ValueError as err:
             raise ValueError(f"example {ex.id!r}: {err}") from None
         n = len(context_ids) + len(question_ids)
@@ -119,13 +153,16 @@ def run_unit(model, tokenizer, unit: Unit, settings: JobSettings) -> Iterator[di
 
     ``model`` must be prepared (``probkv.hf.prepare_model``)."""
     ex = unit.example
-    context_ids, question_ids = prompt_token_ids(ex, tokenizer)
+    context_ids, question_ids, truncated = job_prompt_ids(
+        ex, tokenizer, max_positions(model.config), truncate_middle=settings.truncate_middle
+    )
     before, after = split_prompt(context_ids, question_ids, settings.question_aware)
     before_t = torch.tensor([before], dtype=torch.long)
     after_t = torch.tensor([after], dtype=torch.long)
     gen_kw = {"max_new_tokens": ex.max_new_tokens, "pad_token_id": _pad_id(tokenizer)}
     common = {
         "context_tokens": len(context_ids),
+        "truncated_tokens": truncated,
         "question_tokens": len(question_ids),
         "compressed_tokens": len(before),
         "question_aware": settings.question_aware,

@@ -559,10 +559,10 @@ def plot_run(
 ) -> Figures:
     """The figures of an evaluation run folder (from its results, so a partial run plots
     too), written into ``out_dir`` (default: the run folder)."""
-    rows, config = load_run(run_dir)
+    rows, config, labels = load_run(run_dir)
     if not rows:
         raise ValueError(f"{run_dir} has no finished jobs in its results yet")
-    summary = summarize(rows, config=config)
+    summary = summarize(rows, config=config, row_labels=labels)
     return plot_summary(summary, run_dir if out_dir is None else out_dir)
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,19 +39,22 @@ from tqdm.auto import tqdm
 from probkv._checks import check_positive_int
 from probkv.eval.config import FULL, RunConfig, config_identity
 from probkv.eval.job import JobSettings, check_prompts, load_prepared_model, run_unit
+from probkv.eval.outputs import check_output_folder
 from probkv.eval.plan import job_key, load_run_examples, plan_units
 from probkv.eval.store import (
     RESULTS_FILE,
     SUMMARY_JSON,
     SUMMARY_MD,
     append_row,
+    check_folder,
+    line_label,
     locked,
     prepare_folder,
-    read_results,
+    read_numbered_results,
 )
 from probkv.eval.summary import format_bytes, summarize, summary_markdown, write_summary
 from probkv.eval.workers import run_in_workers
-from probkv.models import load_tokenizer, resolve_model
+from probkv.models import load_tokenizer, max_positions, model_max_positions, resolve_model
 
 __all__ = [
     "FULL",
@@ -76,6 +80,18 @@ class RunReport:
     summary: dict[str, Any] = field(default_factory=dict)
 
 
+def check_lengths(lengths: Sequence[int], limit: int) -> None:
+    """Refuse generated-task lengths (prompt tokens) beyond the model's ``limit`` positions
+    before any task is generated (the examples' generation budgets are checked after)."""
+    too_long = [n for n in lengths if n >= limit]
+    if too_long:
+        raise ValueError(
+            f"lengths {too_long} (--lengths): a prompt of that many tokens does not "
+            f"fit the model, whose limit is {limit} positions (prompt plus generated tokens, "
+            "max_position_embeddings); choose lengths below it"
+        )
+
+
 def run_eval(
     config: RunConfig,
     out_dir: str | os.PathLike[str],
@@ -96,33 +112,41 @@ def run_eval(
     """
     check_positive_int(workers, "workers")
     check_positive_int(threads, "threads")
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {str(out)!r} exists and is not a folder")
+    out = check_output_folder(out_dir, "--out")  # before any work (probkv.eval.outputs)
     examples = load_run_examples(config) if config.data is not None else None
+    identity = config_identity(config)
+    check_folder(out, identity, force=force)  # another run's folder: refused before loading
     resolve_model(config.model)  # unknown or not installed: refused here, not in a worker
     model = None
     if workers == 1:
         model, tokenizer = load_prepared_model(config.model, threads)
-    else:
+        limit = max_positions(model.config)
+    else:  # the workers load the model; this process needs its tokenizer and limit only
         tokenizer = load_tokenizer(config.model)
+        limit = model_max_positions(config.model)
     if examples is None:
+        check_lengths(config.lengths, limit)
         examples = load_run_examples(config, tokenizer)
-    check_prompts(examples, tokenizer)
-    identity = config_identity(config)
+    check_prompts(examples, tokenizer, limit, truncate_middle=config.truncate_middle)
     out.mkdir(parents=True, exist_ok=True)
     with locked(out):
         prepare_folder(out, config, identity, examples, force=force)
         jobs = config.jobs_per_example()
         planned = {job_key(ex.id, m, r) for ex in examples for m, r in jobs}
-        rows = [
-            r
-            for r in read_results(out / RESULTS_FILE, repair=True)
+        results = out / RESULTS_FILE
+        numbered = [
+            (n, r)
+            for n, r in read_numbered_results(results, repair=True)
             if job_key(r["id"], r["method"], r["ratio"]) in planned
         ]
+        rows = [r for _, r in numbered]
+        labels = [line_label(results, n) for n, _ in numbered]  # names rows in errors
+        next_line = results.read_bytes().count(b"\n") + 1 if results.exists() else 1
         done = {job_key(r["id"], r["method"], r["ratio"]) for r in rows}
         units = plan_units(examples, jobs, done, reuse_prefill=reuse_prefill)
-        settings = JobSettings(config.model, config.question_aware, config.seed)
+        settings = JobSettings(
+            config.model, config.question_aware, config.seed, config.truncate_middle
+        )
         skipped = len(done)
         run = 0
         if units:
@@ -139,11 +163,15 @@ def run_eval(
                 stream = (r for u in units for r in run_unit(model, tokenizer, u, settings))
             else:
                 stream = run_in_workers(units, settings, min(workers, len(units)), threads)
-            with bar, (out / RESULTS_FILE).open("a", encoding="utf-8") as f:
+            with bar, results.open("a", encoding="utf-8") as f:
                 for row in stream:
                     append_row(f, row)
                     rows.append(row)
+                    labels.append(line_label(results, next_line))
+                    next_line += 1
                     run += 1
                     bar.update(1)
-        summary = write_summary(out, rows, config=config, jobs_total=len(planned))
+        summary = write_summary(
+            out, rows, config=config, jobs_total=len(planned), row_labels=labels
+        )
     return RunReport(out, len(planned), skipped, run, summary)

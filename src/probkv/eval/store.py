@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from probkv import __version__
-from probkv.eval.config import IDENTITY_KEYS, RunConfig, describe_difference
+from probkv.eval.config import RunConfig, describe_difference, stored_identity
 from probkv.eval.examples import Example, write_examples
+from probkv.eval.outputs import remove_quietly
 from probkv.eval.plan import job_key
 
 try:
@@ -52,7 +53,8 @@ ROW_FIELDS = (
     "prefill_s",  # prefill + eviction, seconds
     "decode_s",  # question forward + generation, seconds
     "shared_prefill",  # how many jobs shared this job's prefill (1: none)
-    "context_tokens",  # tokens of the context part of the prompt
+    "context_tokens",  # tokens of the context part of the prompt (after any truncation)
+    "truncated_tokens",  # context tokens cut from its middle to fit (--truncate-middle), or 0
     "question_tokens",  # tokens of the question part (chat template closing included)
     "compressed_tokens",  # prompt tokens in the cache when it was evicted (t, S1)
     "generated_tokens",
@@ -75,6 +77,9 @@ def check_row(row: Any, where: str) -> dict[str, Any]:
     ratio = row["ratio"]
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
         raise ValueError(f"{where}: field 'ratio' must be a number, got {ratio!r}")
+    for key in ("id", "task", "method"):
+        if not isinstance(row[key], str):
+            raise ValueError(f"{where}: field {key!r} must be a string, got {row[key]!r}")
     return row
 
 
@@ -83,13 +88,25 @@ def read_results(path: str | os.PathLike[str], *, repair: bool = False) -> list[
     it is ignored if it is not a complete JSON object, and with ``repair=True`` cut from the
     file (or, if complete, given its newline). Any other bad line, a missing field or a
     repeated ``(id, method, ratio)`` raises ValueError naming the file and line."""
+    return [row for _, row in read_numbered_results(path, repair=repair)]
+
+
+def line_label(path: str | os.PathLike[str], lineno: int) -> str:
+    """How errors name a results row: ``"line N of FILE"`` (1-based)."""
+    return f"line {lineno} of {path}"
+
+
+def read_numbered_results(
+    path: str | os.PathLike[str], *, repair: bool = False
+) -> list[tuple[int, dict[str, Any]]]:
+    """:func:`read_results` with each row's 1-based line number: ``[(line, row), ...]``."""
     path = Path(path)
     if not path.exists():
         return []
     data = path.read_bytes()
     lines = data.split(b"\n")
     tail = lines.pop()  # b"" when the file ends with a newline
-    rows: list[dict[str, Any]] = []
+    rows: list[tuple[int, dict[str, Any]]] = []
     seen: dict[tuple, int] = {}
 
     def add(row: dict[str, Any], lineno: int) -> None:
@@ -98,7 +115,7 @@ def read_results(path: str | os.PathLike[str], *, repair: bool = False) -> list[
         if key in seen:
             raise ValueError(f"{where}: job {key} is already on line {seen[key]}")
         seen[key] = lineno
-        rows.append(row)
+        rows.append((lineno, row))
 
     for lineno, line in enumerate(lines, start=1):
         if not line.strip():
@@ -143,13 +160,18 @@ def append_row(f, row: Mapping[str, Any]) -> None:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """Replace ``path`` by ``text`` in one step (a reader sees the old or the new file)."""
+    """Replace ``path`` by ``text`` in one step (a reader sees the old or the new file); on
+    failure the temporary file is removed."""
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with tmp.open("w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with tmp.open("w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        remove_quietly(tmp)
+        raise
 
 
 @contextlib.contextmanager
@@ -195,8 +217,48 @@ def _check_examples_file(path: Path, examples: Sequence[Example]) -> None:
             )
         return
     tmp = path.with_name(path.name + ".tmp")
-    write_examples(tmp, examples)
-    os.replace(tmp, path)
+    try:
+        write_examples(tmp, examples)
+        os.replace(tmp, path)
+    except BaseException:
+        remove_quietly(tmp)
+        raise
+
+
+def folder_conflict(out: Path, identity: Mapping[str, Any]) -> tuple[str, str] | None:
+    """Why ``out`` cannot take the run of ``identity`` as it is: ``(error, what)`` where
+    ``what`` names the files ``--force`` would move away, or ``None`` when it can (absent,
+    empty, or the same run). A folder with run files but no readable ``config.json`` cannot:
+    its rows may be another configuration's (issue 11)."""
+    if not out.is_dir():
+        return None
+    previous, problem = read_config(out)
+    present = _run_files_present(out)
+    if problem is not None and (present or (out / CONFIG_FILE).exists()):
+        return (
+            f"{out} holds the files of a run ({', '.join(present or [CONFIG_FILE])}) but "
+            f"{problem}, so its rows may come from another configuration",
+            f"files of an unidentified run ({problem})",
+        )
+    if previous is not None and stored_identity(previous) != identity:
+        difference = describe_difference(stored_identity(previous), identity)
+        return (
+            f"{out} holds a run with a different configuration ({difference})",
+            f"previous run ({difference})",
+        )
+    return None
+
+
+def check_folder(out: Path, identity: Mapping[str, Any], *, force: bool = False) -> None:
+    """Refuse (ValueError) a folder that holds another run, or run files without a readable
+    configuration, unless ``force`` (:func:`folder_conflict`). The runner calls it before
+    loading the model, and :func:`prepare_folder` again under the lock."""
+    conflict = folder_conflict(out, identity)
+    if conflict is not None and not force:
+        raise ValueError(
+            f"{conflict[0]}; rerun with --force to move it to a previous-N/ subfolder and "
+            "start afresh, or choose another --out"
+        )
 
 
 def prepare_folder(
@@ -207,22 +269,16 @@ def prepare_folder(
     *,
     force: bool = False,
 ) -> None:
-    """Make ``out`` (locked by the caller) hold this run: a folder with another configuration
-    is refused, or with ``force`` moved to ``previous-N/``; ``config.json`` is written if
-    absent and, for generated tasks, ``examples.jsonl`` written or checked."""
+    """Make ``out`` (locked by the caller) hold this run: a folder with another configuration,
+    or with run files and no readable configuration, is refused (:func:`check_folder`), or
+    with ``force`` moved to ``previous-N/``; ``config.json`` is written if absent and, for
+    generated tasks, ``examples.jsonl`` written or checked."""
+    check_folder(out, identity, force=force)
+    conflict = folder_conflict(out, identity)
+    if conflict is not None:
+        moved = _archive(out)
+        print(f"[probkv] {conflict[1]} moved to {moved}", file=sys.stderr)
     config_path = out / CONFIG_FILE
-    if config_path.exists():
-        previous = json.loads(config_path.read_text(encoding="utf-8"))
-        if {k: previous.get(k) for k in IDENTITY_KEYS} != identity:
-            difference = describe_difference(previous, identity)
-            if not force:
-                raise ValueError(
-                    f"{out} holds a run with a different configuration ({difference}); "
-                    "rerun with --force to move it to a previous-N/ subfolder and start "
-                    "afresh, or choose another --out"
-                )
-            moved = _archive(out)
-            print(f"[probkv] previous run moved to {moved} ({difference})", file=sys.stderr)
     if not config_path.exists():
         record = {**config.to_json(), **identity, "probkv_version": __version__}
         write_atomic(config_path, json.dumps(record, indent=2) + "\n")
@@ -230,12 +286,46 @@ def prepare_folder(
         _check_examples_file(out / EXAMPLES_FILE, examples)
 
 
-def load_run(run_dir: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """``(rows, config)`` of a run folder, read-only (a crash-cut last line is ignored)."""
+def read_config(folder: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """``(record, None)`` for a folder's readable ``config.json``, else ``(None, problem)``
+    where ``problem`` says what is wrong with it (missing, unreadable, not a run record)."""
+    path = folder / CONFIG_FILE
+    if not path.exists():
+        return None, f"it has no {CONFIG_FILE}"
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        return None, f"its {CONFIG_FILE} cannot be read ({err})"
+    if not isinstance(record, dict) or not isinstance(record.get("methods"), list):
+        return None, f"its {CONFIG_FILE} is not a probkv eval configuration"
+    return record, None
+
+
+def _run_files_present(folder: Path) -> list[str]:
+    """The run files other than the configuration that ``folder`` holds (non-empty)."""
+    return [
+        name
+        for name in _RUN_FILES
+        if name != CONFIG_FILE and (folder / name).is_file() and (folder / name).stat().st_size > 0
+    ]
+
+
+def load_run(
+    run_dir: str | os.PathLike[str],
+) -> tuple[list[dict[str, Any]], dict[str, Any], list[str]]:
+    """``(rows, config, labels)`` of a run folder, read-only (a crash-cut last line is
+    ignored); ``labels`` name the rows in errors (``"line N of FILE"``). A folder whose
+    ``config.json`` is missing or unreadable is refused: nothing says whose rows it holds."""
     folder = Path(run_dir)
     results = folder / RESULTS_FILE
     if not results.is_file():
         raise ValueError(f"{folder} has no {RESULTS_FILE}; is it a probkv eval --out folder?")
-    config_path = folder / CONFIG_FILE
-    config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
-    return read_results(results), config
+    numbered = read_numbered_results(results)
+    config, problem = read_config(folder)
+    if config is None and numbered:
+        raise ValueError(
+            f"{folder} holds rows in {RESULTS_FILE} but {problem}: nothing says which run "
+            "they belong to, so they are not plotted; plot a folder written by probkv eval"
+        )
+    rows = [r for _, r in numbered]
+    return rows, config or {}, [line_label(results, n) for n, _ in numbered]

@@ -38,8 +38,13 @@ def summarize(
     *,
     config: RunConfig | Mapping[str, Any] | None = None,
     jobs_total: int | None = None,
+    row_labels: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Aggregate results rows (S7; Appendix F.2 for the compression ratios).
+
+    A row without the fields a summary needs is a ValueError naming it by its label in
+    ``row_labels`` (one per row: ``"line N of FILE"`` for rows read from a results file,
+    ``probkv.eval.store.line_label``), or else as ``"row i"`` (its 0-based index in ``rows``).
 
     Returns a JSON-ready dict:
 
@@ -57,11 +62,20 @@ def summarize(
     if not rows:
         raise ValueError("no results rows to summarize (the run has not finished any job)")
     cfg = config.to_json() if isinstance(config, RunConfig) else dict(config or {})
+    if row_labels is not None and len(row_labels) != len(rows):
+        raise ValueError(f"row_labels has {len(row_labels)} labels for {len(rows)} rows")
     for i, r in enumerate(rows):
-        check_row(r, f"row {i}")
+        where = f"row {i}" if row_labels is None else row_labels[i]
+        check_row(r, where)
         missing = [k for k in _SUMMARY_KEYS if k not in r]
         if missing:
-            raise ValueError(f"row {i}: results row lacks the field(s) {missing}")
+            raise ValueError(f"{where}: results row lacks the field(s) {missing}")
+        for key in ("score", *_SUMMARY_KEYS):
+            value = r[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{where}: field {key!r} must be a number, got {value!r}")
+            if not math.isfinite(value):
+                raise ValueError(f"{where}: field {key!r} must be finite, got {value!r}")
     order = list(cfg.get("methods") or [])
     order += [m for m in dict.fromkeys(r["method"] for r in rows) if m not in order]
     methods = [m for m in order if any(r["method"] == m for r in rows)]
@@ -266,10 +280,12 @@ def write_summary(
     *,
     config: RunConfig | Mapping[str, Any] | None = None,
     jobs_total: int | None = None,
+    row_labels: Sequence[str] | None = None,
 ) -> dict[str, Any]:
-    """Write ``summary.json`` and ``summary.md`` into ``out_dir``; returns the summary."""
+    """Write ``summary.json`` and ``summary.md`` into ``out_dir``; returns the summary
+    (``row_labels``: as :func:`summarize`)."""
     out = Path(out_dir)
-    summary = summarize(rows, config=config, jobs_total=jobs_total)
+    summary = summarize(rows, config=config, jobs_total=jobs_total, row_labels=row_labels)
     write_atomic(out / SUMMARY_JSON, json.dumps(summary, indent=2) + "\n")
     write_atomic(out / SUMMARY_MD, summary_markdown(summary))
     return summary

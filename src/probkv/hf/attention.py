@@ -6,9 +6,11 @@ dict, so this function receives the layer as ``probkv_layer``. Layers that are n
 (Gemma-3's sliding-window layers, or a plain ``DynamicCache``) get transformers' own SDPA path.
 
 For an evicting layer, its state (``probkv.hf.cache.LayerState``) decides:
-- ``PREFILL`` (first forward): ``probkv.observation.observe_layer`` computes the output and the
-  policy's statistics from the real post-RoPE tensors (one pass for the all-rows scores, S2);
-  the layer records the observation and evicts right away if the policy is layerwise;
+- ``PREFILL`` (a prompt forward): ``probkv.hf.prefill.observe_prompt_chunk`` computes the output and the
+  policy's statistics from the real post-RoPE tensors (``probkv.observation.observe_layer``
+  in one pass for a whole prompt, S2; accumulated over the chunks of a chunked prefill); the
+  layer records the observation and evicts right away if the policy is layerwise and the
+  prompt has ended;
 - ``PREFILL`` of a reconstruction score (S10.1): dense attention; the layer waits for the pass
   (``AWAITING_RECONSTRUCTION``), whose chunks attend in state ``RECONSTRUCTING``
   (``probkv.hf.reconstruction``: over the cache and the chunk, never stored);
@@ -27,12 +29,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from probkv.hf.cache import EvictingLayer, LayerState
-from probkv.observation import (
-    causal_offset_mask,
-    dense_causal_attention,
-    last_query_attention,
-    observe_layer,
-)
+from probkv.hf.prefill import observe_prompt_chunk
+from probkv.observation import causal_offset_mask, dense_causal_attention, last_query_attention
 from probkv.scores import needs_reconstruction
 
 ATTN_IMPLEMENTATION = "probkv"
@@ -82,20 +80,8 @@ def layer_attention(
         # S10.1: the scores come from the pass run after every layer's prefill
         layer.awaits_reconstruction(last_query_attention(query, key, scale))
         return dense_causal_attention(query, key, value, scale)
-    if layer.state is LayerState.PREFILL:
-        policy = layer.policy
-        out, observation = observe_layer(
-            query,
-            key,
-            value,
-            scale=scale,
-            score=policy.score,
-            score_params=policy.score_params,
-            layer_idx=layer.layer_idx,
-            rank=layer.rank,
-        )
-        layer.observed(observation)
-        return out
+    if layer.state is LayerState.PREFILL:  # a prompt chunk, or the whole prompt
+        return observe_prompt_chunk(layer, query, key, value, scale)
     return dense_causal_attention(query, key, value, scale)
 
 
@@ -117,8 +103,10 @@ def evicted_attention(layer, query: torch.Tensor, scale: float) -> torch.Tensor:
         tail_logits.masked_fill_(~causal, float("-inf"))
     if prefix.uniform_length:
         length = prefix.lengths[0]
+        # Explicit sizes: a prefix may be empty in every head (S4: an empty kept set is a
+        # possible draw; the tail alone then carries the softmax).
         pk = prefix.keys.view(h, length, d)
-        pv = prefix.values.view(h, length, -1)
+        pv = prefix.values.view(h, length, prefix.values.shape[-1])
         logits = torch.matmul(qg, pk.transpose(1, 2)).float().mul_(scale)
         if prefix.log_weights is not None:
             logits += prefix.log_weights.view(h, 1, length)

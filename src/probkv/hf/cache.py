@@ -11,12 +11,12 @@ one softmax over prefix (logits ``+ log w``) and tail (no weight), see ``probkv.
 Logical length (positions, RoPE: ``get_seq_length``) and physical length (what is stored, what
 masks must be sized by: ``get_mask_sizes``) are kept apart (S6 pitfall).
 
-An ``EvictingLayer`` moves through explicit states (``LayerState``): ``PREFILL`` (nothing
-observed; its first forward is the prefill) -> ``OBSERVED`` (the policy's observation is held;
-eviction waits for the other layers: global scope, ``probkv.hf.observe``) -> ``EVICTED``.
-Layerwise policies pass through ``OBSERVED`` inside the prefill attention call. Scores read
-from a reconstruction pass (KVzip, S10.1) go ``PREFILL`` -> ``AWAITING_RECONSTRUCTION`` ->
-(``RECONSTRUCTING`` during each chunk of the pass) -> ``OBSERVED``.
+An ``EvictingLayer`` moves through explicit states (``LayerState``): ``PREFILL`` (the prompt
+is being read, in one or several forwards: ``probkv.hf.prefill``) -> ``OBSERVED`` (the
+policy's observation is held; eviction waits for the end of the prompt or for the other
+layers: global scope, ``probkv.hf.observe``) -> ``EVICTED``. Scores read
+from a reconstruction pass (KVzip, S10.1; one prompt forward) go ``PREFILL`` ->
+``AWAITING_RECONSTRUCTION`` -> (``RECONSTRUCTING`` during each chunk of the pass) -> ``OBSERVED``.
 
 ``ProbKVCache`` is the ``Cache``: one ``EvictingLayer`` per global-attention layer and
 transformers' own sliding-window layers elsewhere (Gemma-3's local layers are not evicted). It
@@ -30,7 +30,7 @@ from __future__ import annotations
 import copy
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import (
@@ -40,8 +40,13 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 
+from probkv._checks import check_positive_int
 from probkv.budgets import retained_attention_mass
 from probkv.estimator import compose_log_weights, kish_effective_sample_size
+from probkv.hf import guards
+from probkv.hf.prefix import RaggedPrefix
+from probkv.hf.report import LayerReport
+from probkv.observation import PrefillStatistics
 from probkv.policies.base import (
     EvictionPolicy,
     LayerObservation,
@@ -60,67 +65,13 @@ KWARGS_CHANNEL_KEY = "probkv_layer"
 class LayerState(enum.Enum):
     """Where an ``EvictingLayer`` is in its life (module docstring)."""
 
-    PREFILL = "prefill"  # nothing observed: the next forward is the prefill
+    PREFILL = "prefill"  # the prompt is being read (``prefill_stats``: chunks seen so far)
     # S10.1 scores: prefill seen (``last_query_attention`` kept), the reconstruction pass
     # (probkv.hf.reconstruction) has not run; during its forwards the state is RECONSTRUCTING
     AWAITING_RECONSTRUCTION = "awaiting_reconstruction"
     RECONSTRUCTING = "reconstructing"  # a reconstruction chunk attends, never stored
     OBSERVED = "observed"  # prefill observed (``observation`` set), eviction pending
     EVICTED = "evicted"  # a ragged weighted prefix (``prefix``) and a dense tail
-
-
-@dataclass
-class LayerReport:
-    """What eviction did to one layer (S3 effective ratio, S6 retained mass, Kish ESS)."""
-
-    layer_idx: int
-    prefix_length: int  # t: logical entries that existed at eviction time
-    kept_per_head: list[int]
-    target_ratio: float
-    effective_ratio_per_head: list[float]
-    retained_attention_mass: list[float]  # last query's attention mass on the kept entries
-    effective_sample_size: list[float] | None  # Kish ESS of the weights; None without weights
-
-    @property
-    def effective_ratio(self) -> float:
-        kept = sum(self.kept_per_head)
-        return 1.0 - kept / (self.prefix_length * len(self.kept_per_head))
-
-    def as_dict(self) -> dict:
-        out = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        out["effective_ratio"] = self.effective_ratio
-        return out
-
-
-@dataclass
-class _Prefix:
-    """The ragged, weighted prefix of an evicted layer (flattened head after head)."""
-
-    keys: torch.Tensor  # [N, d]
-    values: torch.Tensor  # [N, d_v]
-    log_weights: torch.Tensor | None  # [N] float32, None = no correction
-    lengths: list[int]  # per KV head
-    offsets: list[int] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.offsets = [0]
-        for n in self.lengths:
-            self.offsets.append(self.offsets[-1] + n)
-
-    @property
-    def uniform_length(self) -> bool:
-        return len(set(self.lengths)) <= 1
-
-    def head(self, h: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        a, b = self.offsets[h], self.offsets[h + 1]
-        lw = None if self.log_weights is None else self.log_weights[a:b]
-        return self.keys[a:b], self.values[a:b], lw
-
-    def nbytes(self) -> int:
-        tensors = [self.keys, self.values]
-        if self.log_weights is not None:
-            tensors.append(self.log_weights)
-        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class EvictingLayer(CacheLayerMixin):
@@ -131,20 +82,29 @@ class EvictingLayer(CacheLayerMixin):
     is_croppable = False
 
     def __init__(
-        self, layer_idx: int, policy: EvictionPolicy, rank: int, num_evicting: int
+        self,
+        layer_idx: int,
+        policy: EvictionPolicy,
+        rank: int,
+        num_evicting: int,
+        prompt_length: int | None = None,
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.policy = policy
         self.rank = rank  # position among the evicting layers
         self.num_evicting = num_evicting
-        self.prefix: _Prefix | None = None
+        # Where the prompt ends (probkv.hf.prefill): its length if known, the chunks seen.
+        self.prompt_length = prompt_length
+        self.prefill_stats: PrefillStatistics | None = None
+        self.prompt_complete = False  # the observation covers the whole prompt
+        self.prefix: RaggedPrefix | None = None
         self.prefix_length = 0  # logical entries covered by the prefix (t at eviction)
         self._tail_keys: torch.Tensor | None = None  # [1, Hkv, capacity, d]
         self._tail_values: torch.Tensor | None = None
         self.tail_length = 0
         self.state = LayerState.PREFILL
-        self.observation: LayerObservation | None = None  # held in state OBSERVED only
+        self._observation: LayerObservation | None = None  # held in state OBSERVED only
         self.report: LayerReport | None = None  # set by every eviction
         # S10.1: p_t [Hkv, t] kept from the prefill for the report (AWAITING_RECONSTRUCTION),
         # and the pass's per-layer scoring (RECONSTRUCTING; probkv.hf.reconstruction)
@@ -168,10 +128,7 @@ class EvictingLayer(CacheLayerMixin):
         **other,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if key_states.shape[0] != 1:
-            raise ValueError(
-                f"probkv evicts caches of batch size 1 only; got batch size {key_states.shape[0]}. "
-                "Run prompts one at a time."
-            )
+            raise ValueError(guards.batch_message(key_states))
         if self._awaiting_attention:
             raise RuntimeError(
                 f"layer {self.layer_idx}: the previous forward did not run probkv's attention function; "
@@ -208,7 +165,7 @@ class EvictingLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.__init__(self.layer_idx, self.policy, self.rank, self.num_evicting)
+        self.__init__(self.layer_idx, self.policy, self.rank, self.num_evicting, self.prompt_length)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last ``-tokens_to_remove`` tokens of the tail (never the evicted prefix)."""
@@ -247,8 +204,11 @@ class EvictingLayer(CacheLayerMixin):
         need = self.tail_length + n
         capacity = 0 if self._tail_keys is None else self._tail_keys.shape[2]
         if need > capacity:
-            # The first (prefill) chunk is stored exactly; later appends grow geometrically.
+            # The prompt is stored exactly (all of it at its first chunk when its length is
+            # known: no copy per chunk); later appends grow geometrically.
             new_cap = need if self.tail_length == 0 else need + max(_TAIL_GROWTH, capacity // 8)
+            if self.state is LayerState.PREFILL and self.prompt_length:
+                new_cap = max(need, self.prompt_length)
             self._tail_keys = self._grow(self._tail_keys, key_states, new_cap)
             self._tail_values = self._grow(self._tail_values, value_states, new_cap)
         self._tail_keys[:, :, self.tail_length : need] = key_states
@@ -287,9 +247,23 @@ class EvictingLayer(CacheLayerMixin):
         """probkv's attention function ran after ``update`` (checked at the next update)."""
         self._awaiting_attention = False
 
-    def observed(self, observation: LayerObservation) -> None:
-        """Record the prefill's observation (``PREFILL`` -> ``OBSERVED``) and evict right away
-        when the policy decides each layer on its own (the full cache never exists at once)."""
+    @property
+    def observation(self) -> LayerObservation | None:
+        """Held in state ``OBSERVED``; a provisional one (the prompt's end unknown) is computed
+        from the chunk statistics when first read."""
+        if self._observation is None and self.state is LayerState.OBSERVED and self.prefill_stats:
+            self._observation = self.prefill_stats.observe(
+                self.tail_keys[0], self.tail_values[0], layer_idx=self.layer_idx, rank=self.rank
+            )
+        return self._observation
+
+    @observation.setter
+    def observation(self, value: LayerObservation | None) -> None:
+        self._observation = value
+
+    def observed(self, observation: LayerObservation | None, *, final: bool = True) -> None:
+        """``PREFILL`` -> ``OBSERVED``. ``final`` (the whole prompt): a layerwise policy evicts
+        now (the full cache never exists at once); else :meth:`end_prefill` ends it later."""
         if self.state not in (LayerState.PREFILL, LayerState.AWAITING_RECONSTRUCTION):
             raise RuntimeError(
                 f"layer {self.layer_idx} was observed twice (state {self.state.name})"
@@ -297,6 +271,21 @@ class EvictingLayer(CacheLayerMixin):
         self.observation = observation
         self.last_query_attention = None
         self.state = LayerState.OBSERVED
+        if final:
+            self.end_prefill()
+
+    def continue_prefill(self) -> None:
+        """Another prompt chunk after a provisional observation: ``OBSERVED`` -> ``PREFILL``."""
+        self.prefill_stats.check_next_chunk()
+        self.observation = None
+        self.state = LayerState.PREFILL
+
+    def end_prefill(self) -> None:
+        """The observation covers the whole prompt (computed now if provisional): drop the
+        chunk statistics; a layerwise policy evicts now."""
+        self.observation = self.observation
+        self.prefill_stats = None
+        self.prompt_complete = True
         if self.policy.layerwise:
             evict_layers(self.policy, [self], num_layers=self.num_evicting)
 
@@ -350,7 +339,7 @@ class EvictingLayer(CacheLayerMixin):
             )
             if not torch.isfinite(log_weights).all():
                 raise ValueError(f"layer {self.layer_idx}: selection has non-finite log-weights")
-        self.prefix = _Prefix(
+        self.prefix = RaggedPrefix(
             keys=torch.cat(keys).contiguous(),
             values=torch.cat(values).contiguous(),
             log_weights=log_weights,
@@ -362,6 +351,8 @@ class EvictingLayer(CacheLayerMixin):
         self._tail_values = self._tail_values[:, :, :0].clone()
         self.tail_length = 0
         self.observation = None
+        self.prefill_stats = None
+        self.prompt_complete = True
         self.state = LayerState.EVICTED
 
     def _current_entries(self, h: int):
@@ -399,15 +390,18 @@ class ProbKVCache(Cache):
     """A ``transformers.Cache`` that evicts with a probkv policy after prefill.
 
     Build it for a model prepared with ``probkv.hf.prepare_model`` and pass it to ``generate``
-    (``cache=...``) or to a forward loop. The first forward (the prompt) is observed: the
-    attention function computes each layer's output and the statistics the policy needs from
-    the real post-RoPE queries, keys and values. Eviction runs as soon as every evicting layer
-    has been observed, at the start of the next forward, or when ``evict()`` is called. Layers
-    of policies that decide each layer on its own (per-head scope) are evicted right after their
-    prefill attention, so the full cache of all layers never exists at once.
+    (``cache=...``) or to a forward loop. The prompt is observed: the attention function
+    computes each layer's output and the statistics the policy needs from the real post-RoPE
+    queries, keys and values, in one or several forwards (``probkv.hf.prefill``: where the
+    prompt ends). Eviction runs when it has ended and every evicting layer is observed, at
+    the next forward or on ``evict()``; with ``prompt_length``, layerwise policies evict each
+    layer right after its last prefill attention (the full cache never exists at once). A
+    cache holds one prompt and refuses input that does not continue it (``hf.guards``).
     """
 
-    def __init__(self, config, policy: EvictionPolicy) -> None:
+    def __init__(self, config, policy: EvictionPolicy, *, prompt_length: int | None = None) -> None:
+        if prompt_length is not None:
+            check_positive_int(prompt_length, "prompt_length")
         text_config = config.get_text_config(decoder=True)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
         num_evicting = layer_types.count("full_attention")
@@ -415,7 +409,7 @@ class ProbKVCache(Cache):
         for i, (kind, kw) in enumerate(zip(layer_types, layer_kwargs)):
             if kind == "full_attention":
                 rank = layer_types[:i].count("full_attention")
-                layers.append(EvictingLayer(i, policy, rank, num_evicting))
+                layers.append(EvictingLayer(i, policy, rank, num_evicting, prompt_length))
             elif kind == "sliding_attention":
                 layers.append(DynamicSlidingWindowLayer(**kw))
             else:
@@ -433,15 +427,17 @@ class ProbKVCache(Cache):
             i for i, layer in enumerate(layers) if isinstance(layer, EvictingLayer)
         ]
         self.num_evictions = 0
+        self.prompt_length = prompt_length
+        self.layer_types = list(layer_types)  # of the config it was built for (issue 11)
         # ``[1, t]`` the token ids the cache holds, set by ``probkv.hf.compress`` / ``observe``
         # so that ``generate`` can continue with true positions; ``None`` until then.
         self.token_ids: torch.Tensor | None = None
 
     # ---------------------------------------------------------------- protocol
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        # A new forward starts at layer 0: evict first if prefill left a global decision pending.
-        if layer_idx == 0 and self.eviction_pending:
-            self.evict()
+        guards.check_layer_index(layer_idx, len(self.layers))  # issue 11: another model's
+        if layer_idx == 0:  # a new forward starts at layer 0
+            self._start_forward(key_states.shape[-2], kwargs.get("kwargs"))
         if layer_idx == 0 and self.awaiting_reconstruction:
             raise ValueError(
                 f"score {self.policy.score!r} is read from a reconstruction pass over the context "
@@ -450,6 +446,20 @@ class ProbKVCache(Cache):
                 "policy, repeat_prompt=...) or probkv.hf.observe(...)"
             )
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _start_forward(self, new_tokens: int, attention_kwargs: dict | None) -> None:
+        """Checks and decisions before a forward's first layer: the model is the cache's, the
+        input continues what the cache holds, and where the prompt ends (module docstring)."""
+        guards.check_layers_used(self.layers)
+        guards.check_continues(self.get_seq_length(), attention_kwargs)
+        if self.prefill_open:
+            if new_tokens > 1:  # another chunk of the prompt
+                for i in self.evicting_layers:
+                    self.layers[i].continue_prefill()
+            else:  # the first decode step: the prompt has ended
+                self.end_prefill()
+        if self.eviction_pending:  # a global decision, or the prompt's end, left pending
+            self.evict()
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         # Any evicting layer gives the logical length; sliding layers count tokens too.
@@ -467,6 +477,25 @@ class ProbKVCache(Cache):
     def eviction_pending(self) -> bool:
         """Every evicting layer observed its prefill and waits for the policy (global scope)."""
         return all(self.layers[i].state is LayerState.OBSERVED for i in self.evicting_layers)
+
+    @property
+    def prefill_open(self) -> bool:
+        """The layers hold a provisional observation: the prompt may go on (module docstring)."""
+        return any(
+            self.layers[i].state is LayerState.OBSERVED and not self.layers[i].prompt_complete
+            for i in self.evicting_layers
+        )
+
+    def end_prefill(self) -> None:
+        """Declare the prompt ended (``probkv.hf.prefill``): the observations become final;
+        layerwise policies evict now, a global one at the next forward or ``evict()``."""
+        layers = [self.layers[i] for i in self.evicting_layers]
+        if any(layer.state is LayerState.PREFILL for layer in layers):
+            of = f" of prompt_length={self.prompt_length}" if self.prompt_length else ""
+            raise ValueError(f"the prompt cannot end after {self.get_seq_length()} tokens{of}")
+        for layer in layers:
+            if layer.state is LayerState.OBSERVED and not layer.prompt_complete:
+                layer.end_prefill()
 
     def evict(self, policy: EvictionPolicy | None = None) -> None:
         """Run the policy on every observed layer and evict them.

@@ -11,6 +11,7 @@ import copy
 
 import torch
 
+from probkv.hf import guards
 from probkv.hf.cache import EvictingLayer, ObserveOnly, ProbKVCache
 from probkv.hf.model import is_prepared
 from probkv.hf.reconstruction import RepeatPrompt, reconstruct
@@ -55,7 +56,9 @@ def compress(
     """
     _check_prepared(model)
     ids = as_token_ids(context_ids).to(model.device)
-    cache = ProbKVCache(model.config, policy)
+    # prompt_length: the prompt ends with this forward (probkv.hf.prefill), so layerwise
+    # policies evict each layer during it.
+    cache = ProbKVCache(model.config, policy, prompt_length=ids.shape[1])
     model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)  # no [t, vocab] logits
     if cache.awaiting_reconstruction:
         reconstruct(model, cache, ids, repeat_prompt)
@@ -82,7 +85,9 @@ def observe(
     _check_prepared(model)
     ids = as_token_ids(context_ids).to(model.device)
     cache = ProbKVCache(
-        model.config, ObserveOnly(score=score, ratio=0.0, score_params=dict(score_params or {}))
+        model.config,
+        ObserveOnly(score=score, ratio=0.0, score_params=dict(score_params or {})),
+        prompt_length=ids.shape[1],  # the prompt ends with this forward (probkv.hf.prefill)
     )
     model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
     if cache.awaiting_reconstruction:
@@ -99,12 +104,24 @@ def generate(
     greedy by default. Returns the generated token ids only, ``[n]``. The cache grows by the
     new tokens (see ``answer`` for several questions from one context)."""
     _check_prepared(model)
+    # issue 11: a cache of another model, or beam search, refused by name before any work
+    guards.check_same_layers(cache.layer_types, model.config)
+    for option in ("num_beams", "num_return_sequences"):
+        if generate_kwargs.get(option, 1) != 1:
+            what = "beam search" if option == "num_beams" else "several returned sequences"
+            raise ValueError(
+                f"probkv caches hold one sequence: {what} ({option}="
+                f"{generate_kwargs[option]}) is not supported; use {option}=1"
+            )
     new = as_token_ids(input_ids).to(model.device)
     prefix = cache.token_ids
     if prefix is None or prefix.shape[1] != cache.get_seq_length():
+        known = "none" if prefix is None else f"only the first {prefix.shape[1]}"
         raise ValueError(
-            "the cache does not know the token ids it holds (build it with probkv.hf.compress, "
-            "or rewind it to the compressed state)"
+            f"this cache holds {cache.get_seq_length()} tokens and knows the ids of {known} "
+            "(generate added tokens to it, or it was not built by compress): build a new "
+            "cache with probkv.hf.compress, or use probkv.hf.answer, which leaves the "
+            "compressed cache as it was"
         )
     full = torch.cat([prefix, new], dim=1)
     generate_kwargs.setdefault("do_sample", False)
@@ -125,13 +142,15 @@ def answer(
     every question starts from the same compressed state and never sees another question."""
     only_evicting = all(isinstance(layer, EvictingLayer) for layer in compressed.layers)
     if only_evicting:
-        length = compressed.get_seq_length()
+        # Back to the compressed state even when generate fails part-way through a forward
+        # (then layers hold different numbers of new tokens: restore each layer's own).
+        tails = [layer.tail_length for layer in compressed.layers]
         try:
             return generate(model, compressed, question_ids, max_new_tokens=max_new_tokens, **kw)
         finally:
-            extra = compressed.get_seq_length() - length
-            if extra:
-                compressed.crop(-extra)
+            for layer, tail_length in zip(compressed.layers, tails):
+                layer.tail_length = tail_length
+                layer.attention_done()  # a failed forward may have left an update pending
     working = copy.deepcopy(compressed)  # sliding-window layers cannot be rewound
     working.token_ids = compressed.token_ids
     return generate(model, working, question_ids, max_new_tokens=max_new_tokens, **kw)

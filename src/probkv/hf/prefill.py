@@ -1,0 +1,73 @@
+"""Where a prompt ends: one forward or several (chunked prefill, issue 11; S2).
+
+``generate(..., prefill_chunk_size=N)`` and forward loops may read a long prompt in several
+forwards, so that the prefill's peak memory is one chunk's attention. Eviction must still see
+the whole prompt. An ``EvictingLayer`` therefore stays in ``PREFILL`` while the prompt is being
+read: each chunk's rows attend to every earlier entry, exactly like the one-pass kernel, and
+``probkv.observation.PrefillStatistics`` accumulates what the score needs (column sums over
+all rows; the last rows a score reads). The observation equals the one-pass observation of the
+whole prompt; eviction follows it.
+
+How the cache knows the prompt ended:
+
+- ``ProbKVCache(config, policy, prompt_length=N)`` (``probkv.hf.compress`` and ``observe``
+  pass it): the prompt is the first ``N`` tokens, in one forward or several. Each layer is
+  observed during its last chunk, and a layerwise policy evicts it right there (the full
+  cache of all layers never exists at once). Every score accumulates exactly.
+- Without ``prompt_length`` (e.g. ``model.generate(ids, cache=ProbKVCache(...))``): every
+  prefill forward leaves a provisional observation of the prompt so far (``OBSERVED``). A
+  further forward of several tokens is another chunk of the prompt (the layers go back to
+  ``PREFILL``); the prompt ends at the first forward of a single token (``generate``'s first
+  decode step), at ``cache.end_prefill()`` or at ``cache.evict()``. Consequences: a last
+  chunk of a single token counts as the first decode step; a forward loop that feeds a
+  context and then a question must call ``cache.end_prefill()`` in between to evict before
+  the question (``compress`` + ``answer`` do this); and ``h2o-h`` and ``min-h``, whose
+  harmonic row weights depend on the prompt's final length, refuse a second chunk (the error
+  names the score and asks for ``prompt_length``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from probkv.observation import PrefillStatistics, observe_layer
+
+
+def observe_prompt_chunk(
+    layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """A prefill forward of an ``EvictingLayer`` in state ``PREFILL``: its attention output,
+    and the observation once the prompt is known to end here, or provisionally when its end
+    is unknown (module docstring). ``query [Hq, q, d]``: the chunk's rows; ``key``/``value
+    [Hkv, t, d]``: every entry so far, the chunk's last."""
+    t = key.shape[1]
+    final = layer.prompt_length is not None and t == layer.prompt_length
+    policy = layer.policy
+    if layer.prefill_stats is None and final:
+        # The whole prompt in one forward (the usual case): observed in one pass.
+        out, observation = observe_layer(
+            query,
+            key,
+            value,
+            scale=scale,
+            score=policy.score,
+            score_params=policy.score_params,
+            layer_idx=layer.layer_idx,
+            rank=layer.rank,
+        )
+        layer.observed(observation)
+        return out
+    if layer.prefill_stats is None:
+        layer.prefill_stats = PrefillStatistics(
+            policy.score, policy.score_params, scale, prompt_length=layer.prompt_length
+        )
+    out = layer.prefill_stats.add_chunk(query, key, value)
+    if final:
+        observation = layer.prefill_stats.observe(
+            key, value, query=query, layer_idx=layer.layer_idx, rank=layer.rank
+        )
+        layer.observed(observation)
+    elif layer.prompt_length is None:
+        # Provisional (the prompt may go on): computed from the statistics only if read.
+        layer.observed(None, final=False)
+    return out
