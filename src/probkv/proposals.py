@@ -147,15 +147,7 @@ def proposal_from_log_scores(
         raise ValueError(
             f"uniform_mix must be in [0, 1] (weight of the proposal against the uniform), got {uniform_mix!r}"
         )
-    if forced is not None and (
-        not isinstance(forced, torch.Tensor)
-        or forced.dtype != torch.bool
-        or forced.shape != log_scores.shape
-    ):
-        raise ValueError(
-            f"forced must be a bool tensor of the log_scores' shape {tuple(log_scores.shape)}, got "
-            f"{getattr(forced, 'dtype', type(forced).__name__)} {tuple(getattr(forced, 'shape', ()))}"
-        )
+    _check_forced(forced, log_scores)
     z = log_scores.to(torch.float64)
     free = torch.ones_like(z, dtype=torch.bool) if forced is None else ~forced
     n = free.sum(-1, keepdim=True).to(torch.float64)
@@ -212,14 +204,7 @@ def max_pool_log_scores(
         raise ValueError(
             f"log_scores must have a non-empty last dimension, got shape {tuple(log_scores.shape)}"
         )
-    if forced is not None and (
-        not isinstance(forced, torch.Tensor)
-        or forced.dtype != torch.bool
-        or forced.shape != log_scores.shape
-    ):
-        raise ValueError(
-            f"forced must be a bool tensor of the log_scores' shape {tuple(log_scores.shape)}"
-        )
+    _check_forced(forced, log_scores)
     if kernel == 1:
         return log_scores
     lent = log_scores if forced is None else log_scores.masked_fill(forced, -math.inf)
@@ -227,3 +212,17 @@ def max_pool_log_scores(
     # max_pool1d pads with -inf: the window is clipped at both ends
     pooled = F.max_pool1d(rows, kernel, stride=1, padding=kernel // 2).reshape(log_scores.shape)
     return pooled if forced is None else torch.where(forced, log_scores, pooled)
+
+
+def _check_forced(forced: torch.Tensor | None, log_scores: torch.Tensor) -> None:
+    """``forced``: ``None`` or a bool mask of ``log_scores``' shape (entries kept outside the
+    sampling, S2, S6)."""
+    if forced is not None and (
+        not isinstance(forced, torch.Tensor)
+        or forced.dtype != torch.bool
+        or forced.shape != log_scores.shape
+    ):
+        raise ValueError(
+            f"forced must be a bool tensor of the log_scores' shape {tuple(log_scores.shape)}, got "
+            f"{getattr(forced, 'dtype', type(forced).__name__)} {tuple(getattr(forced, 'shape', ()))}"
+        )
