@@ -75,6 +75,15 @@ def reference(layer, query, scale):
 def test_batched_ragged_decode_equals_per_head_loop(
     lengths, g, q_len, extra_tail, weighted, dtype, seed
 ):
+    # hypothesis forbids function-scoped fixtures: set the switch by hand
+    attention_module.RAGGED_BATCHED_ON_CPU = True
+    try:
+        _check_batched_against_loop(lengths, g, q_len, extra_tail, weighted, dtype, seed)
+    finally:
+        attention_module.RAGGED_BATCHED_ON_CPU = False
+
+
+def _check_batched_against_loop(lengths, g, q_len, extra_tail, weighted, dtype, seed):
     layer, query = make_layer(
         lengths, g, q_len, q_len + extra_tail, weighted=weighted, dtype=dtype, seed=seed
     )
@@ -91,6 +100,7 @@ def test_row_blocks_do_not_change_the_result(monkeypatch, block_bytes):
     """Row blocks bound the scratch: one row at a time, a few rows, all rows."""
     layer, query = make_layer([7, 0, 19], 3, 5, 9, weighted=True, dtype=torch.float64, seed=3)
     monkeypatch.setattr(attention_module, "RAGGED_BLOCK_BYTES", block_bytes)
+    monkeypatch.setattr(attention_module, "RAGGED_BATCHED_ON_CPU", True)
     out = evicted_attention(layer, query, 0.3)
     torch.testing.assert_close(out, reference(layer, query, 0.3), rtol=TOLERANCE, atol=TOLERANCE)
     if block_bytes == 1:  # against the one-block result: same logits, float64 arithmetic

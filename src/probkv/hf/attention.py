@@ -112,15 +112,21 @@ def evicted_attention(layer, query: torch.Tensor, scale: float) -> torch.Tensor:
             logits += prefix.log_weights.view(h, 1, length)
         out = _merge(logits, tail_logits, pv, tail_v)
     else:
-        out = _ragged_merge(prefix, qg, tail_logits, tail_v, scale)
+        batched = query.device.type != "cpu" or RAGGED_BATCHED_ON_CPU
+        merge = ragged_merge_batched if batched else ragged_merge_per_head
+        out = merge(prefix, qg, tail_logits, tail_v, scale)
     return out.reshape(hq, q_len, -1)
 
 
 # Scratch size of the ragged decode: the ``[H, rows, N]`` block-diagonal logits of one row block.
 RAGGED_BLOCK_BYTES = 64 * 2**20
+# Ragged heads on CPU take the per-head loop: benchmarks/bench_ragged_decode.py measured it
+# 1.4-2.6x faster there than the batched op (which computes H times the logits); on other
+# devices the batched op avoids launching a few kernels per head (not yet measured on a GPU).
+RAGGED_BATCHED_ON_CPU = False
 
 
-def _ragged_merge(prefix, qg, tail_logits, tail_v, scale: float) -> torch.Tensor:
+def ragged_merge_batched(prefix, qg, tail_logits, tail_v, scale: float) -> torch.Tensor:
     """``_merge`` for every head of a ragged prefix in batched ops, no loop over heads (S4).
 
     Entry ``n`` of the flattened prefix belongs to head ``prefix.head_index[n]``. One matmul of
@@ -163,8 +169,8 @@ def _ragged_merge(prefix, qg, tail_logits, tail_v, scale: float) -> torch.Tensor
 
 
 def ragged_merge_per_head(prefix, qg, tail_logits, tail_v, scale: float) -> torch.Tensor:
-    """The slow, obvious form of ``_ragged_merge``: a Python loop over heads, one ``_merge``
-    each (the decode path before the batched op; tests and benchmarks compare the two)."""
+    """The obvious form of ``ragged_merge_batched``: a Python loop over heads, one ``_merge``
+    each; the reference in tests, and the CPU path (``RAGGED_BATCHED_ON_CPU``)."""
     return torch.stack(
         [
             _merge(
