@@ -7,16 +7,22 @@ would run anyway: ``torch.nn.functional.scaled_dot_product_attention(..., is_cau
 with ``enable_gqa=True`` and with repeated keys/values. Shape: SmolLM2-135M's attention
 (Hq = 9, Hkv = 3, d = 64), float32, one torch thread.
 
-Prints, per ``t``: best-of-N wall times and the ratios ours / sdpa (GQA) for
+Prints, per ``t`` and input dtype (``--dtypes``): best-of-N wall times and the ratios
+ours / sdpa (GQA, same input dtype) for
   - output only (``row_weights=None``),
   - output + column sums of one row weighting (harmonic: the min-h/h2o-h statistics; this
     is what the integration layer runs during prefill),
-  - column sums only (``value=None``, what a proposal alone costs);
+  - column sums only (``value=None``, what a proposal alone costs),
+  - the other route, ``lse``: torch's fused kernel for the output and each row's
+    log-normaliser (``attention_with_log_normalisers``), then the column sums tile by tile
+    (``column_sums_from_log_normalisers``); and the fused kernel alone (``sdpa+lse``);
 and the peak extra memory (peak RSS growth, fresh subprocess) of the chunked kernel versus a
 dense reference that materialises the ``[Hq, t, t]`` attention matrix.
 
-Usage: ``python benchmarks/bench_attention_kernel.py [--t 1024 2048 4096 8192] [--reps 3]
-[--chunk-sizes 32 64 128] [--no-memory]``. Timings on a shared machine are noisy: rounds
+Usage: ``python benchmarks/bench_attention_kernel.py [--t 2048 4096 8192] [--reps 3]
+[--chunk-sizes 32 64 128] [--dtypes float32 bfloat16] [--no-memory]``. With bfloat16 inputs
+the SDPA baseline computes in bfloat16 while probkv's kernels upcast to float32 (its
+statistics are float32 by design). Timings on a shared machine are noisy: rounds
 are interleaved and the minimum is reported.
 """
 
@@ -33,7 +39,9 @@ import torch.nn.functional as F
 
 from probkv.attention import (
     CPU_CHUNK_ROWS,
+    attention_with_log_normalisers,
     causal_attention_with_column_sums,
+    column_sums_from_log_normalisers,
     default_chunk_size,
     harmonic_row_weights,
 )
@@ -41,12 +49,20 @@ from probkv.attention import (
 HQ, HKV, D = 9, 3, 64  # SmolLM2-135M
 
 
-def _inputs(t: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _inputs(
+    t: int, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(HQ, t, D, generator=gen)
-    k = torch.randn(HKV, t, D, generator=gen)
-    v = torch.randn(HKV, t, D, generator=gen)
+    q = torch.randn(HQ, t, D, generator=gen).to(dtype)
+    k = torch.randn(HKV, t, D, generator=gen).to(dtype)
+    v = torch.randn(HKV, t, D, generator=gen).to(dtype)
     return q, k, v
+
+
+def lse_route(q, k, v, scale, w):
+    """Output and log-normalisers from torch's fused kernel, then tiled column sums."""
+    out, lse = attention_with_log_normalisers(q, k, v, scale=scale)
+    return out, column_sums_from_log_normalisers(q, k, lse, scale=scale, row_weights=w)
 
 
 def _best(fn, reps: int) -> float:
@@ -58,8 +74,10 @@ def _best(fn, reps: int) -> float:
     return best
 
 
-def time_one(t: int, reps: int, rounds: int, chunk_sizes: list[int | None]) -> dict:
-    q, k, v = _inputs(t)
+def time_one(
+    t: int, reps: int, rounds: int, chunk_sizes: list[int | None], dtype: torch.dtype
+) -> dict:
+    q, k, v = _inputs(t, dtype=dtype)
     scale = D**-0.5
     g = HQ // HKV
     w = harmonic_row_weights(t)[None]
@@ -70,6 +88,8 @@ def time_one(t: int, reps: int, rounds: int, chunk_sizes: list[int | None]) -> d
             q4, k4, v4, is_causal=True, scale=scale, enable_gqa=True
         ),
         "sdpa_rep": lambda: F.scaled_dot_product_attention(q4, kr, vr, is_causal=True, scale=scale),
+        "sdpa+lse": lambda: attention_with_log_normalisers(q, k, v, scale=scale),
+        "lse": lambda: lse_route(q, k, v, scale, w),
     }
     for c in chunk_sizes:
         cases[f"out/{c}"] = lambda c=c: causal_attention_with_column_sums(
@@ -140,7 +160,14 @@ def peak_memory_mib(t: int, which: str) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--t", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    ap.add_argument("--t", type=int, nargs="+", default=[2048, 4096, 8192])
+    ap.add_argument(
+        "--dtypes",
+        nargs="+",
+        default=["float32"],
+        choices=["float32", "bfloat16"],
+        help="input dtypes (each timed against SDPA in the same dtype)",
+    )
     ap.add_argument("--reps", type=int, default=2, help="calls per round (best kept)")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds over all cases")
     ap.add_argument(
@@ -155,26 +182,31 @@ def main() -> None:
     torch.set_num_threads(1)
     chunks: list[int | None] = [None, *args.chunk_sizes]
 
-    print(f"torch {torch.__version__}, 1 thread, float32, Hq={HQ} Hkv={HKV} d={D}")
-    print("times in ms (best of reps x rounds); ratio = ours / sdpa(enable_gqa=True)")
+    print(f"torch {torch.__version__}, 1 thread, Hq={HQ} Hkv={HKV} d={D}")
+    print("times in ms (best of reps x rounds); ratio = ours / sdpa(enable_gqa=True), same dtype")
     header = (
-        f"{'t':>6} {'chunk':>6} {'sdpa_gqa':>9} {'sdpa_rep':>9} {'out':>9} {'ratio':>6} "
-        f"{'out+cs':>9} {'ratio':>6} {'cs only':>9} {'ratio':>6}"
+        f"{'dtype':>8} {'t':>6} {'chunk':>6} {'sdpa_gqa':>9} {'sdpa_rep':>9} {'out':>9} "
+        f"{'ratio':>6} {'out+cs':>9} {'ratio':>6} {'cs only':>9} {'ratio':>6} "
+        f"{'sdpa+lse':>9} {'ratio':>6} {'lse+cs':>9} {'ratio':>6}"
     )
     print(header)
-    for t in args.t:
-        best = time_one(t, args.reps, args.rounds, chunks)
-        ref = best["sdpa_gqa"]
-        for c in chunks:
-            shown = default_chunk_size(HQ, t, max_rows=CPU_CHUNK_ROWS) if c is None else c
-            label = f"{shown}{'*' if c is None else ''}"
-            o, ocs, cs = best[f"out/{c}"], best[f"out+cs/{c}"], best[f"cs/{c}"]
-            print(
-                f"{t:>6} {label:>6} {ref * 1e3:>9.1f} {best['sdpa_rep'] * 1e3:>9.1f} "
-                f"{o * 1e3:>9.1f} {o / ref:>6.3f} {ocs * 1e3:>9.1f} {ocs / ref:>6.3f} "
-                f"{cs * 1e3:>9.1f} {cs / ref:>6.3f}",
-                flush=True,
-            )
+    for name in args.dtypes:
+        dtype = getattr(torch, name)
+        for t in args.t:
+            best = time_one(t, args.reps, args.rounds, chunks, dtype)
+            ref = best["sdpa_gqa"]
+            for c in chunks:
+                shown = default_chunk_size(HQ, t, max_rows=CPU_CHUNK_ROWS) if c is None else c
+                label = f"{shown}{'*' if c is None else ''}"
+                o, ocs, cs = best[f"out/{c}"], best[f"out+cs/{c}"], best[f"cs/{c}"]
+                sl, lc = best["sdpa+lse"], best["lse"]
+                print(
+                    f"{name:>8} {t:>6} {label:>6} {ref * 1e3:>9.1f} {best['sdpa_rep'] * 1e3:>9.1f} "
+                    f"{o * 1e3:>9.1f} {o / ref:>6.3f} {ocs * 1e3:>9.1f} {ocs / ref:>6.3f} "
+                    f"{cs * 1e3:>9.1f} {cs / ref:>6.3f} {sl * 1e3:>9.1f} {sl / ref:>6.3f} "
+                    f"{lc * 1e3:>9.1f} {lc / ref:>6.3f}",
+                    flush=True,
+                )
     print("* = default chunk size")
 
     if args.no_memory:

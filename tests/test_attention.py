@@ -19,8 +19,10 @@ from hypothesis import strategies as st
 from probkv.attention import (
     _chunked_attention,
     attention_rows,
+    attention_with_log_normalisers,
     causal_attention_rows_with_column_sums,
     causal_attention_with_column_sums,
+    column_sums_from_log_normalisers,
     default_chunk_size,
     harmonic_row_weights,
     uniform_row_weights,
@@ -357,3 +359,93 @@ def test_rows_at_an_offset_refuse_more_rows_than_keys():
     q, k, v = make_layer(10, 2, 2)
     with pytest.raises(ValueError, match="query_rows has 10 rows but there are only 9 keys"):
         causal_attention_rows_with_column_sums(q, k[:, :9], v[:, :9], scale=1.0, row_weights=None)
+
+
+# ------------------------------------------- torch's fused kernel + tiled column sums
+
+
+def dense_log_normalisers(q, k, scale, offset):
+    """[Hq, q] log-sum-exp of each row's causal logits (row r at position offset + r)."""
+    g = q.shape[0] // k.shape[0]
+    logits = scale * q.double() @ k.double().repeat_interleave(g, 0).transpose(1, 2)
+    rows = torch.arange(q.shape[1])[:, None] + offset
+    logits.masked_fill_(torch.arange(k.shape[1])[None, :] > rows, -math.inf)
+    return torch.logsumexp(logits, -1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    t=st.integers(1, 60),
+    offset_fraction=st.floats(0.0, 1.0),
+    hkv=st.integers(1, 3),
+    g=st.integers(1, 3),
+    block_rows=st.integers(1, 70),
+    block_keys=st.integers(1, 70),
+    d_v=st.sampled_from([5, 8, 11]),
+    seed=st.integers(0, 10_000),
+)
+def test_log_normaliser_path_equals_chunked_kernel_and_dense_reference(
+    t, offset_fraction, hkv, g, block_rows, block_keys, d_v, seed
+):
+    """S1/S2 by the other route: torch's fused kernel gives the output and each row's
+    log-normaliser; the column sums follow tile by tile. Any shape, tiling and causal offset
+    (the last q of t rows), float64: equal to the chunked kernel and the dense reference to
+    1e-12, the log-normalisers to a dense log-sum-exp."""
+    q_len = max(1, round(t * (1 - offset_fraction)))
+    q, k, _ = make_layer(t, hkv, g, seed=seed)
+    v = torch.randn(hkv, t, d_v, generator=torch.Generator().manual_seed(seed), dtype=F64)
+    rows = q[:, t - q_len :]
+    w = torch.stack([uniform_row_weights(t, dtype=F64), harmonic_reference(t)])[:, t - q_len :]
+    out, lse = attention_with_log_normalisers(rows, k, v, scale=0.4)
+    sums = column_sums_from_log_normalisers(
+        rows, k, lse, scale=0.4, row_weights=w, block_rows=block_rows, block_keys=block_keys
+    )
+    ref_out, ref_sums = causal_attention_rows_with_column_sums(rows, k, v, scale=0.4, row_weights=w)
+    assert out.dtype == sums.dtype == F64
+    torch.testing.assert_close(
+        lse, dense_log_normalisers(rows, k, 0.4, t - q_len), rtol=0, atol=1e-12
+    )
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-12)
+    torch.testing.assert_close(sums, ref_sums, rtol=0, atol=1e-12)
+    p = dense_probabilities(q, k, 0.4)[:, t - q_len :]
+    torch.testing.assert_close(sums, torch.einsum("sj,hji->shi", w, p), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_log_normaliser_path_float32_close_to_chunked_kernel(dtype):
+    """float32 arithmetic (bfloat16 inputs upcast, as in the chunked kernel): logits ~ N(0, 1)
+    carry absolute error ~ d * 2^-24 in either kernel, so probabilities agree to ~1e-5
+    relative, outputs (|v| ~ 1) to ~1e-5 and column sums (<= t terms) to 1e-5 relative."""
+    q, k, v = make_layer(97, 2, 3, seed=7, dtype=dtype)
+    w = torch.stack([uniform_row_weights(97), harmonic_row_weights(97)])
+    out, lse = attention_with_log_normalisers(q, k, v, scale=8**-0.5)
+    sums = column_sums_from_log_normalisers(q, k, lse, scale=8**-0.5, row_weights=w)
+    ref_out, ref_sums = causal_attention_with_column_sums(q, k, v, scale=8**-0.5, row_weights=w)
+    assert sums.dtype == lse.dtype == torch.float32
+    torch.testing.assert_close(
+        out.to(dtype), ref_out, rtol=0, atol=2e-5 if dtype == torch.float32 else 1e-2
+    )
+    torch.testing.assert_close(sums, ref_sums, rtol=2e-5, atol=1e-6)
+
+
+def test_log_normaliser_path_bad_input():
+    q, k, v = make_layer(10, 2, 2)
+    with pytest.raises(ValueError, match=r"log_normalisers must be \[Hq, q\] = \[4, 10\]"):
+        column_sums_from_log_normalisers(
+            q, k, torch.zeros(4, 9, dtype=F64), scale=1.0, row_weights=torch.ones(1, 10, dtype=F64)
+        )
+    with pytest.raises(ValueError, match="block_rows must be"):
+        column_sums_from_log_normalisers(
+            q,
+            k,
+            torch.zeros(4, 10, dtype=F64),
+            scale=1.0,
+            row_weights=torch.ones(1, 10, dtype=F64),
+            block_rows=0,
+        )
+    with pytest.raises(ValueError, match="row_weights must be an"):
+        column_sums_from_log_normalisers(
+            q, k, torch.zeros(4, 10, dtype=F64), scale=1.0, row_weights=None
+        )
+    with pytest.raises(ValueError, match="query_rows has 10 rows but there are only 9 keys"):
+        attention_with_log_normalisers(q, k[:, :9], v[:, :9], scale=1.0)

@@ -294,6 +294,130 @@ def _chunked_attention(
     return out, col_sums
 
 
+def attention_with_log_normalisers(
+    query_rows: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of the last ``q`` of ``t`` positions and each row's log-normaliser,
+    from torch's fused attention kernel (S1): ``output [Hq, q, d_v]`` in the compute dtype and
+    ``lse [Hq, q]`` with ``lse[h, r] = log sum_{i <= t - q + r} exp(scale * q_r . k_i)``.
+
+    CPU: the flash kernel behind ``scaled_dot_product_attention``; CUDA: the memory-efficient
+    kernel (not yet run on a GPU). Keys/values are repeated per query head (these kernels take
+    no GQA). Other devices: ``ValueError``. Together with ``column_sums_from_log_normalisers``
+    it is the alternative to ``causal_attention_with_column_sums`` that
+    benchmarks/bench_attention_kernel.py compares (slower on CPU: the logits are computed twice).
+    """
+    _check_floating(query_rows, "query_rows")
+    _check_floating(key, "key")
+    _check_floating(value, "value")
+    g = check_heads(query_rows, key, value)
+    scale = _check_scale(scale)
+    q_len, t = query_rows.shape[1], key.shape[1]
+    if q_len > t:
+        raise ValueError(f"query_rows has {q_len} rows but there are only {t} keys")
+    cdt = _compute_dtype(query_rows, key, value)
+    q4 = query_rows.to(cdt)[None]
+    k4 = key.to(cdt).repeat_interleave(g, 0)[None]
+    v4 = value.to(cdt).repeat_interleave(g, 0)[None]
+    d, dv = q4.shape[-1], v4.shape[-1]
+    if d != dv:  # the fused kernels need one head size: zero columns change no dot product
+        width = max(d, dv)
+        q4, k4 = (torch.nn.functional.pad(x, (0, width - d)) for x in (q4, k4))
+        v4 = torch.nn.functional.pad(v4, (0, width - dv))
+    causal = q_len == t
+    mask = None
+    if not causal:  # rows at an offset: row r sees keys 0 .. t - q + r
+        rows = torch.arange(q_len, device=key.device)[:, None] + (t - q_len)
+        beyond = torch.arange(t, device=key.device)[None, :] > rows
+        mask = torch.zeros(q_len, t, dtype=cdt, device=key.device).masked_fill_(beyond, -math.inf)
+    if key.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q4, k4, v4, 0.0, causal, attn_mask=mask, scale=scale
+        )
+    elif key.device.type == "cuda":
+        bias = None if mask is None else mask[None, None].expand(1, q4.shape[1], q_len, t)
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q4, k4, v4, bias, True, 0.0, causal, scale=scale
+        )[:2]
+    else:
+        raise ValueError(
+            f"attention_with_log_normalisers supports cpu and cuda tensors, got {key.device}"
+        )
+    return out[0, ..., :dv], lse[0, :, :q_len].to(cdt)
+
+
+def column_sums_from_log_normalisers(
+    query_rows: torch.Tensor,
+    key: torch.Tensor,
+    log_normalisers: torch.Tensor,
+    *,
+    scale: float,
+    row_weights: torch.Tensor,
+    block_rows: int = 256,
+    block_keys: int = 512,
+) -> torch.Tensor:
+    """Weighted column sums (S2) when every row's log-normaliser is already known (from
+    ``attention_with_log_normalisers``): ``p_j(i) = exp(scale * q_j . k_i - lse_j)``.
+
+    With the normalisers known, no tile needs its row's other tiles: the rows x keys plane is
+    cut into ``block_rows x block_keys`` tiles (``[Hq, 256, 512]`` float32 is 4.5 MiB for 9
+    heads; per KV head on CPU it stays in cache), each computed once (logits with ``-lse``
+    folded into the matmul, ``exp``, then ``w @ P``); tiles above the diagonal are skipped.
+    ``query_rows [Hq, q, d]`` are the last ``q`` of ``t = key.shape[1]`` positions;
+    ``log_normalisers [Hq, q]``; ``row_weights [S, q]``. Returns ``[S, Hq, t]`` in the compute
+    dtype (float32, float64 for float64 inputs).
+    """
+    _check_floating(query_rows, "query_rows")
+    _check_floating(key, "key")
+    _check_floating(log_normalisers, "log_normalisers")
+    g = check_heads(query_rows, key)
+    scale = _check_scale(scale)
+    hq, q_len, d = query_rows.shape
+    hkv, t = key.shape[:2]
+    if q_len > t:
+        raise ValueError(f"query_rows has {q_len} rows but there are only {t} keys")
+    if log_normalisers.shape != (hq, q_len):
+        raise ValueError(
+            f"log_normalisers must be [Hq, q] = [{hq}, {q_len}], got {tuple(log_normalisers.shape)}"
+        )
+    if row_weights is None:
+        raise ValueError("row_weights must be an [S, q] tensor, got None")
+    row_weights = _check_row_weights(row_weights, q_len)
+    block_rows = check_positive_int(block_rows, "block_rows")
+    block_keys = check_positive_int(block_keys, "block_keys")
+    cdt = _compute_dtype(query_rows, key)
+    dev = key.device
+    off = t - q_len
+    num_w = row_weights.shape[0]
+    w = row_weights.to(device=dev, dtype=cdt)
+    qg = (query_rows.to(cdt) * scale).view(hkv, g, q_len, d)
+    neg_lse = log_normalisers.to(device=dev, dtype=cdt).neg().view(hkv, g, q_len, 1)
+    key_t = key.to(cdt).transpose(1, 2)  # [Hkv, d, t]
+    col_sums = torch.zeros(hkv, g, num_w, t, dtype=cdt, device=dev)
+    hb = 1 if dev.type == "cpu" else hkv  # as in the chunked kernel
+    for h0 in range(0, hkv, hb):
+        h1 = min(h0 + hb, hkv)
+        nh = h1 - h0
+        for a in range(0, q_len, block_rows):
+            b = min(a + block_rows, q_len)
+            rows = b - a
+            positions = torch.arange(off + a, off + b, device=dev)
+            qc = qg[h0:h1, :, a:b].reshape(nh, g * rows, d)
+            bias = neg_lse[h0:h1, :, a:b].reshape(nh, g * rows, 1)
+            wc = w[:, a:b].unsqueeze(0).expand(nh * g, num_w, rows)
+            for c0 in range(0, off + b, block_keys):  # key blocks left of the chunk's end
+                c1 = min(c0 + block_keys, off + b)
+                s = torch.baddbmm(bias, qc, key_t[h0:h1, :, c0:c1])  # logits - lse
+                if c1 > off + a + 1:  # the block crosses the diagonal: causal mask (S1)
+                    beyond = torch.arange(c0, c1, device=dev)[None, :] > positions[:, None]
+                    s.view(nh, g, rows, c1 - c0).masked_fill_(beyond, -math.inf)
+                s.exp_()
+                col_sums[h0:h1, :, :, c0:c1].view(nh * g, num_w, c1 - c0).baddbmm_(
+                    wc, s.view(nh * g, rows, c1 - c0)
+                )
+    return col_sums.view(hq, num_w, t).transpose(0, 1).contiguous()
+
+
 def attention_rows(
     query_rows: torch.Tensor,
     key: torch.Tensor,

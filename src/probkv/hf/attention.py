@@ -112,18 +112,76 @@ def evicted_attention(layer, query: torch.Tensor, scale: float) -> torch.Tensor:
             logits += prefix.log_weights.view(h, 1, length)
         out = _merge(logits, tail_logits, pv, tail_v)
     else:
-        out = torch.stack(
-            [
-                _merge(
-                    _prefix_logits(qg[i], *prefix.head(i), scale),
-                    tail_logits[i],
-                    prefix.head(i)[1],
-                    tail_v[i],
-                )
-                for i in range(h)
-            ]
-        )
+        batched = query.device.type != "cpu" or RAGGED_BATCHED_ON_CPU
+        merge = ragged_merge_batched if batched else ragged_merge_per_head
+        out = merge(prefix, qg, tail_logits, tail_v, scale)
     return out.reshape(hq, q_len, -1)
+
+
+# Scratch size of the ragged decode: the ``[H, rows, N]`` block-diagonal logits of one row block.
+RAGGED_BLOCK_BYTES = 64 * 2**20
+# Ragged heads on CPU take the per-head loop: benchmarks/bench_ragged_decode.py measured it
+# 1.4-2.6x faster there than the batched op (which computes H times the logits); on other
+# devices the batched op avoids launching a few kernels per head (not yet measured on a GPU).
+RAGGED_BATCHED_ON_CPU = False
+
+
+def ragged_merge_batched(prefix, qg, tail_logits, tail_v, scale: float) -> torch.Tensor:
+    """``_merge`` for every head of a ragged prefix in batched ops, no loop over heads (S4).
+
+    Entry ``n`` of the flattened prefix belongs to head ``prefix.head_index[n]``. One matmul of
+    every query row with every entry gives ``[H, rows, N]``; each entry keeps its own head's
+    row (a gather along heads), then a segment softmax: per-(head, row) maxima and sums by
+    ``scatter_reduce``/``index_add`` over ``head_index``, joined with the tail's, as varlen
+    attention kernels do. The probabilities go back into a block-diagonal ``[H, rows, N]``
+    (zero off each head's segment) for one matmul with the values. This computes ``H`` times
+    the logits a per-head loop does, but launches a fixed number of ops and never reads the
+    per-head lengths on the host; row blocks bound the scratch to ``RAGGED_BLOCK_BYTES``.
+    ``qg [H, R, d]`` (R = g * q), ``tail_logits [H, R, T]`` float32 -> ``[H, R, d_v]``.
+    """
+    h, rows, d = qg.shape
+    n = prefix.keys.shape[0]
+    head = prefix.head_index  # [N]
+    step = max(1, RAGGED_BLOCK_BYTES // max(1, 4 * h * n))
+    out = []
+    for a in range(0, rows, step):
+        b = min(a + step, rows)
+        r = b - a
+        full = torch.matmul(qg[:, a:b].reshape(h * r, d), prefix.keys.T).float().mul_(scale)
+        gather_ix = head.view(1, 1, n).expand(1, r, n)
+        logits = full.view(h, r, n).gather(0, gather_ix)[0]  # [r, N]: own head's rows
+        if prefix.log_weights is not None:
+            logits += prefix.log_weights
+        tail = tail_logits[:, a:b]  # [H, r, T]
+        seg_max = tail.amax(-1)  # [H, r]; the tail holds the queries: finite
+        seg_max = seg_max.scatter_reduce(0, gather_ix[0].T, logits.T, "amax")
+        exps = (logits - seg_max.T[:, head]).exp_()  # [r, N]
+        tail_exps = (tail - seg_max.unsqueeze(-1)).exp_()
+        seg_sum = tail_exps.sum(-1).index_add_(0, head, exps.T)  # [H, r]
+        probs = exps.div_(seg_sum.T[:, head])
+        tail_probs = tail_exps.div_(seg_sum.unsqueeze(-1))
+        block = torch.zeros(h, r, n, dtype=probs.dtype, device=probs.device)
+        block.scatter_(0, gather_ix, probs.unsqueeze(0))
+        pv = prefix.values
+        part = torch.matmul(block.view(h * r, n).to(pv.dtype), pv).view(h, r, -1)
+        out.append(part + torch.matmul(tail_probs.to(tail_v.dtype), tail_v))
+    return out[0] if len(out) == 1 else torch.cat(out, dim=1)
+
+
+def ragged_merge_per_head(prefix, qg, tail_logits, tail_v, scale: float) -> torch.Tensor:
+    """The obvious form of ``ragged_merge_batched``: a Python loop over heads, one ``_merge``
+    each; the reference in tests, and the CPU path (``RAGGED_BATCHED_ON_CPU``)."""
+    return torch.stack(
+        [
+            _merge(
+                _prefix_logits(qg[i], *prefix.head(i), scale),
+                tail_logits[i],
+                prefix.head(i)[1],
+                tail_v[i],
+            )
+            for i in range(len(prefix.lengths))
+        ]
+    )
 
 
 def _prefix_logits(q, keys, values, log_weights, scale: float) -> torch.Tensor:

@@ -78,8 +78,9 @@ def select_layers(
 def keep_everything(obs: LayerObservation) -> RaggedSelection:
     """r = 0 keeps all entries with weight exactly 1 (S1), whatever the method."""
     h, t = obs.log_scores.shape
-    indices = torch.arange(t, dtype=torch.int64).repeat(h)
-    lengths = torch.full((h,), t, dtype=torch.int64)
+    device = obs.log_scores.device
+    indices = torch.arange(t, dtype=torch.int64, device=device).repeat(h)
+    lengths = torch.full((h,), t, dtype=torch.int64, device=device)
     return RaggedSelection(indices, lengths, None)
 
 

@@ -175,7 +175,11 @@ class ProbabilisticPolicy(EvictionPolicy):
             return [keep_everything(obs) for obs in observations]
         # One generator for the whole eviction, seeded per (seed, first layer): per-layer
         # eviction (head scope) and one-shot global eviction are both reproducible.
-        generator = torch.Generator().manual_seed(self.seed * 100_003 + observations[0].layer_idx)
+        # The generator lives on the scores' device (on CPU the same stream as before; a CUDA
+        # generator draws a different, equally seeded stream).
+        device = observations[0].log_scores.device
+        generator = torch.Generator(device=device)
+        generator.manual_seed(self.seed * 100_003 + observations[0].layer_idx)
         observations = [self._with_forced(obs) for obs in observations]
         pis = [self.proposal(obs).double() for obs in observations]
         # A head whose entries are all forced (a prompt no longer than SnapKV's window at a
@@ -194,12 +198,12 @@ class ProbabilisticPolicy(EvictionPolicy):
                 [budgets.uniform_budget(observations[i].length, self.ratio) for i in live],
                 generator,
             )
-        kept = [torch.zeros(pi.shape, dtype=torch.bool) for pi in pis]
-        logw = [torch.zeros(pi.shape, dtype=torch.float32) for pi in pis]
+        kept = [torch.zeros(pi.shape, dtype=torch.bool, device=pi.device) for pi in pis]
+        logw = [torch.zeros(pi.shape, dtype=torch.float32, device=pi.device) for pi in pis]
         for i, (kept_i, logw_i) in zip(live, drawn):
-            kept[i][rows[i]] = kept_i.cpu()
+            kept[i][rows[i]] = kept_i
             if logw_i is not None:
-                logw[i][rows[i]] = logw_i.cpu()
+                logw[i][rows[i]] = logw_i.float()
         return [
             _selection(obs, k, w if self.corrected else None)
             for obs, k, w in zip(observations, kept, logw)
@@ -209,14 +213,14 @@ class ProbabilisticPolicy(EvictionPolicy):
         """Add the recent window to the forced entries and fit them into the budget (S6)."""
         budget = budgets.uniform_budget(obs.length, self.ratio)
         obs = with_recent(obs, recent_count(self.recent, budget))
-        full = torch.full((obs.num_heads,), budget, dtype=torch.int64)
+        full = torch.full((obs.num_heads,), budget, dtype=torch.int64, device=obs.log_scores.device)
         return dataclasses.replace(obs, forced=fit_forced(obs.forced, full))
 
     def _draw_with_replacement(self, pis, forced, head_budgets, generator):
         """S3: m draws per head (or one m for all, global scope); keep the drawn entries."""
         if self.scope == "global":
             m = sample_size.samples_for_ratio_global(pis, self.ratio, always_kept=forced)
-            ms = [torch.full((pi.shape[0],), m, dtype=torch.int64) for pi in pis]
+            ms = [torch.full((pi.shape[0],), m, dtype=torch.int64, device=pi.device) for pi in pis]
         else:
             ms = [
                 sample_size.samples_for_ratio(pi, self.ratio, always_kept=f)
@@ -284,7 +288,7 @@ class ProbabilisticPolicy(EvictionPolicy):
 
 def _forced_counts(obs: LayerObservation) -> torch.Tensor:
     if obs.forced is None:
-        return torch.zeros(obs.num_heads, dtype=torch.int64)
+        return torch.zeros(obs.num_heads, dtype=torch.int64, device=obs.log_scores.device)
     return obs.forced.sum(-1).to(torch.int64)
 
 
@@ -296,4 +300,4 @@ def _selection(
         kept = kept | obs.forced.to(kept.device)
         if logw is not None:
             logw = logw.masked_fill(obs.forced.to(logw.device), 0.0)
-    return RaggedSelection.from_masks(kept.cpu(), None if logw is None else logw.cpu())
+    return RaggedSelection.from_masks(kept, logw)  # on the scores' device

@@ -104,7 +104,7 @@ class TopKPolicy(EvictionPolicy):
             per_head = self.layer_budget(obs, num_layers)
             obs = with_recent(obs, recent_count(self.recent, per_head))
             h = obs.num_heads
-            uniform = torch.full((h,), per_head, dtype=torch.int64)
+            uniform = torch.full((h,), per_head, dtype=torch.int64, device=obs.log_scores.device)
             forced = fit_forced(obs.forced, uniform)
             log_scores = proposals.max_pool_log_scores(obs.log_scores, self.pool, forced=forced)
             if self.head_budgets == "ada":
@@ -137,7 +137,9 @@ class TopKPolicy(EvictionPolicy):
         log_scores, forced = [], []
         for obs in observations:
             obs = with_recent(obs, recent_count(self.recent, per_head))
-            full = torch.full((obs.num_heads,), per_head, dtype=torch.int64)
+            full = torch.full(
+                (obs.num_heads,), per_head, dtype=torch.int64, device=obs.log_scores.device
+            )
             f = fit_forced(obs.forced, full)
             log_scores.append(proposals.max_pool_log_scores(obs.log_scores, self.pool, forced=f))
             forced.append(
