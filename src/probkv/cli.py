@@ -26,7 +26,8 @@ from collections.abc import Sequence
 import torch
 
 from probkv import __version__
-from probkv.cli_args import positive_int
+from probkv.cli_args import add_dtype_argument, positive_int
+from probkv.dtypes import MODEL_DTYPES, resolve_dtype_name
 from probkv.models import (
     DEFAULT_MODEL,
     ModelNotInstalledError,
@@ -107,6 +108,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     )
     gen.add_argument("--prompt", default="What is the capital of France?", help="user message")
     gen.add_argument("--max-new-tokens", type=positive_int, default=32, help="default 32")
+    add_dtype_argument(gen)
     gen.set_defaults(handler=_run_generate)
 
     models = subparsers.add_parser(
@@ -121,7 +123,8 @@ def _run_generate(args: argparse.Namespace) -> int:
         raise ValueError("--prompt is empty; give the user message, e.g. --prompt 'Hello?'")
     start = time.perf_counter()
     resolved = resolve_model(args.model)
-    model, tokenizer = load_model(resolved.path)
+    dtype = resolve_dtype_name(args.dtype)
+    model, tokenizer = load_model(resolved.path, dtype=MODEL_DTYPES[dtype])
     load_s = time.perf_counter() - start
     ids = chat_prompt_ids(tokenizer, args.prompt)
     start = time.perf_counter()
@@ -137,7 +140,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         )
     gen_s = time.perf_counter() - start
     new = out[0, ids.shape[1] :]
-    print(f"model: {args.model} ({resolved.origin}: {resolved.path})")
+    print(f"model: {args.model} ({resolved.origin}: {resolved.path}), {dtype}")
     print(f"prompt: {args.prompt}")
     print(f"answer: {tokenizer.decode(new, skip_special_tokens=True).strip()}")
     print(

@@ -44,3 +44,18 @@ def ratio_list(value: str) -> list[float]:
 def length_list(value: str) -> list[int]:
     """argparse type: comma-separated positive integers (prompt lengths in tokens)."""
     return [positive_int(item) for item in comma_list(value)]
+
+
+def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
+    """``--dtype float32|bfloat16|auto`` (default auto) on a command that loads a model
+    (:mod:`probkv.dtypes`; argparse names a bad value and the allowed ones)."""
+    from probkv.dtypes import DEFAULT_DTYPE, DTYPE_CHOICES
+
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPE_CHOICES,
+        default=DEFAULT_DTYPE,
+        help=f"model dtype (default {DEFAULT_DTYPE}: bfloat16 where the hardware computes it "
+        "natively, CPU AMX/AVX512-BF16 or CUDA, else float32); attention scores, proposals "
+        "and log-weights stay float32",
+    )

@@ -47,3 +47,24 @@ def test_config_canonicalises_and_checks():
     for change, message in bad:
         with pytest.raises(ValueError, match=message):
             RunConfig(**(base | change))
+
+
+def test_dtype_is_resolved_and_part_of_the_identity(monkeypatch):
+    from probkv import dtypes
+    from probkv.eval.config import IDENTITY_KEYS, config_identity, stored_identity
+
+    base = {"model": "m", "methods": ("snapkv",), "ratios": (0.5,), "tasks": ("vt",)}
+    base["lengths"] = (100,)
+    assert RunConfig(**base).dtype == "float32"  # the API default
+    assert RunConfig(**base, dtype="bfloat16").dtype == "bfloat16"
+    for native, expected in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(dtypes, "cpu_has_native_bfloat16", lambda native=native: native)
+        cfg = RunConfig(**base, dtype="auto")
+        assert cfg.dtype == expected  # stored concrete: the identity names what ran
+        assert config_identity(cfg)["dtype"] == expected
+    assert "dtype" in IDENTITY_KEYS
+    assert stored_identity({"model": "m"})["dtype"] == "float32"  # folders of older probkv
+    with pytest.raises(
+        ValueError, match=r"dtype must be one of auto, float32, bfloat16, got 'f16'"
+    ):
+        RunConfig(**base, dtype="f16")

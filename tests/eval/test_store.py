@@ -55,7 +55,7 @@ def test_resume_after_kill(tiny_dir, tmp_path, make_examples, run_methods, run_c
     out = tmp_path / "run"
     args = [sys.executable, "-m", "probkv.cli", "eval", "--model", tiny_dir, "--data", str(data)]
     args += ["--methods", ",".join(run_methods), "--ratios", "0.25,0.5", "--out", str(out)]
-    args += ["--no-progress"]
+    args += ["--no-progress", "--dtype", "float32"]  # run_config's dtype, on any machine
     total = 9 * (1 + (len(run_methods) - 1) * 2)
     results = out / RESULTS_FILE
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -124,3 +124,28 @@ def test_generated_tasks_written_and_checked(tiny_dir, tmp_path):
     (out / EXAMPLES_FILE).write_text(stored[0].replace("niah", "NIAH") + "\n")
     with pytest.raises(ValueError, match="different examples"):
         run_eval(cfg, out, progress=False)
+
+
+def test_resume_in_another_dtype_is_refused(tiny_dir, data_file, tmp_path, run_config):
+    """The dtype is part of the identity: float32 rows and bfloat16 rows never mix; a folder
+    written before the dtype was recorded holds float32 rows and resumes in float32."""
+    out = tmp_path / "run"
+    cfg = run_config(tiny_dir, data_file, methods=("full", "snapkv"), ratios=(0.5,))
+    run_eval(cfg, out, progress=False)
+    rows = read_results(out / RESULTS_FILE)
+    assert {r["dtype"] for r in rows} == {"float32"}
+    bf16 = run_config(
+        tiny_dir, data_file, methods=("full", "snapkv"), ratios=(0.5,), dtype="bfloat16"
+    )
+    with pytest.raises(ValueError, match=r"dtype: 'float32' before, 'bfloat16' now"):
+        run_eval(bf16, out, progress=False)
+    # An older folder: no dtype in config.json.
+    record = json.loads((out / "config.json").read_text())
+    del record["dtype"]
+    (out / "config.json").write_text(json.dumps(record))
+    assert run_eval(cfg, out, progress=False).jobs_skipped == len(rows)
+    with pytest.raises(ValueError, match="different configuration"):
+        run_eval(bf16, out, progress=False)
+    report = run_eval(bf16, out, progress=False, force=True)
+    assert report.jobs_skipped == 0 and report.summary["dtype"] == "bfloat16"
+    assert {r["dtype"] for r in read_results(out / RESULTS_FILE)} == {"bfloat16"}

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from probkv.cli_args import positive_int
+from probkv.cli_args import add_dtype_argument, positive_int
 from probkv.eval.outputs import check_output_file, remove_quietly
 
 TAUS = "1,2,5,10,50"
@@ -119,11 +119,13 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--scope", choices=SCOPES, default="head", help="budget scope (S3; default head)"
     )
+    add_dtype_argument(parser)
     parser.set_defaults(handler=run_attention_error)
 
 
 def run_attention_error(args: argparse.Namespace) -> int:
     """Load the model, build the prompt and decode tokens, measure, write the JSON."""
+    from probkv.dtypes import MODEL_DTYPES, resolve_dtype_name
     from probkv.eval import attention_error as ae
     from probkv.eval.paper_prompt import PAPER_QUESTION, PAPER_TEXT
     from probkv.hf import prepare_model
@@ -146,7 +148,8 @@ def run_attention_error(args: argparse.Namespace) -> int:
         raise ValueError("--question is empty; give a question or omit --question")
     text = None if args.prompt_file is None else read_prompt_file(args.prompt_file)
     start = time.perf_counter()
-    model, tokenizer = load_model(args.model)
+    dtype = resolve_dtype_name(args.dtype)
+    model, tokenizer = load_model(args.model, dtype=MODEL_DTYPES[dtype])
     prepare_model(model)
     if text is not None:
         prompt = ae.text_prompt(
@@ -163,6 +166,7 @@ def run_attention_error(args: argparse.Namespace) -> int:
     decode = ae.decode_tokens(model, prompt, max(args.steps, 1))
     log = lambda message: print(f"[attention-error] {message}", file=sys.stderr)  # noqa: E731
     log(f"prompt: {len(prompt.context_ids)} tokens ({prompt.source}, {prompt.format} format)")
+    log(f"model dtype: {dtype} (--dtype {args.dtype})")
     rows = ae.measure_attention_error(
         model,
         prompt.context_ids,
@@ -189,6 +193,7 @@ def run_attention_error(args: argparse.Namespace) -> int:
         "prompt_file": None if args.prompt_file is None else str(args.prompt_file),
         "prompt_tokens": args.prompt_tokens,
         "question": question,
+        "dtype": dtype,
     }
     header = ae.results_header(
         model_name=args.model,
@@ -198,6 +203,7 @@ def run_attention_error(args: argparse.Namespace) -> int:
         arguments=arguments,
         num_heads=rows[0]["num_heads"],
     )
+    header["dtype"] = dtype
     header["runtime_s"] = round(time.perf_counter() - start, 2)
     write_json(args.out, {"header": header, "rows": rows})
     print(format_table(rows))

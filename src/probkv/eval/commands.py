@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from probkv.cli_args import comma_list, length_list, positive_int, ratio_list
+from probkv.cli_args import add_dtype_argument, comma_list, length_list, positive_int, ratio_list
 from probkv.eval.config import RunConfig
 from probkv.eval.outputs import check_output_file, check_output_folder
 from probkv.eval.store import SUMMARY_JSON, SUMMARY_MD
@@ -114,6 +114,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="prefill once per job instead of once per example and score (slower, same results)",
     )
+    add_dtype_argument(ev)
     ev.add_argument("--no-progress", action="store_true", help="no progress bar")
     ev.set_defaults(handler=run_eval_command)
 
@@ -168,6 +169,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         default=DEMO_LENGTH,
         help=f"prompt length in tokens (default {DEMO_LENGTH})",
     )
+    add_dtype_argument(de)
     de.add_argument("--no-progress", action="store_true", help="no progress bar")
     de.set_defaults(handler=run_demo_command)
 
@@ -196,7 +198,9 @@ def run_eval_command(args: argparse.Namespace) -> int:
         question_aware=args.question_aware,
         max_examples=args.max_examples,
         truncate_middle=args.truncate_middle,
+        dtype=args.dtype,
     )
+    print(f"[probkv] model dtype: {config.dtype} (--dtype {args.dtype})", file=sys.stderr)
     start = time.perf_counter()
     report = run_eval(
         config,
@@ -253,6 +257,7 @@ def run_demo_command(args: argparse.Namespace) -> int:
         threads=args.threads,
         length=args.length,
         per_task=args.per_task,
+        dtype=args.dtype,
         progress=not args.no_progress,
     )
     for run in runs:
@@ -263,7 +268,7 @@ def run_demo_command(args: argparse.Namespace) -> int:
             else "question-agnostic eviction (the context is compressed before the question)"
         )
         print(
-            f"\nprobkv demo: {summary['model']}, r = {demo.DEMO_RATIO}, "
+            f"\nprobkv demo: {summary['model']} ({summary['dtype']}), r = {demo.DEMO_RATIO}, "
             f"{summary['num_examples']} examples ({', '.join(summary['tasks'])}), {how}, "
             "greedy decoding\n"
         )

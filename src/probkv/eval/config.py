@@ -1,8 +1,9 @@
 """What an evaluation run evaluates (S7): :class:`RunConfig`, checked on construction,
 and its identity (:data:`IDENTITY_KEYS`), which a resume compares.
 
-A data file enters the identity by its SHA-256, not its path; workers, threads and prefill
-reuse are execution details (arguments of :func:`probkv.eval.runner.run_eval`), not part of
+A data file enters the identity by its SHA-256, not its path; the model's dtype enters it by
+its concrete name (``auto`` is resolved on construction, :mod:`probkv.dtypes`), so a resume
+in another dtype never mixes rows; workers, threads and prefill reuse are execution details (arguments of :func:`probkv.eval.runner.run_eval`), not part of
 the configuration, and may change between reruns.
 """
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from probkv._checks import check_choice, check_positive_int, check_ratio
+from probkv.dtypes import check_dtype_name, resolve_dtype_name
 from probkv.eval.data import FORMATS
 from probkv.eval.tasks import TASK_NAMES
 from probkv.policies import method_name, parse_method
@@ -37,10 +39,11 @@ IDENTITY_KEYS = (
     "question_aware",
     "max_examples",
     "truncate_middle",
+    "dtype",
 )
 
 #: What an identity key means when a run folder's config.json predates it (older probkv).
-IDENTITY_DEFAULTS = {"truncate_middle": False}
+IDENTITY_DEFAULTS = {"truncate_middle": False, "dtype": "float32"}
 
 
 def canonical_method(spec: str) -> str:
@@ -81,6 +84,8 @@ class RunConfig:
         truncate_middle: cut the middle of a context that, with its question and
             ``max_new_tokens``, exceeds the model's positions (LongBench's truncation);
             without it such an example is refused before any job runs.
+        dtype: the model's dtype, ``"float32"`` or ``"bfloat16"``; ``"auto"`` is resolved
+            here to the one this machine computes natively (:mod:`probkv.dtypes`).
     """
 
     model: str
@@ -95,6 +100,7 @@ class RunConfig:
     question_aware: bool = False
     max_examples: int | None = None
     truncate_middle: bool = False
+    dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -140,6 +146,8 @@ class RunConfig:
             check_positive_int(self.max_examples, "max_examples")
         if not isinstance(self.truncate_middle, bool):
             raise ValueError(f"truncate_middle must be True or False, got {self.truncate_middle!r}")
+        check_dtype_name(self.dtype)
+        object.__setattr__(self, "dtype", resolve_dtype_name(self.dtype))
 
     def jobs_per_example(self) -> list[tuple[str, float]]:
         """The (method, ratio) pairs every example is run with (``full`` once, at ratio 0)."""

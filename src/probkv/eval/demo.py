@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from probkv.dtypes import DEFAULT_DTYPE
 from probkv.eval.plots import Figures, plot_summary
 from probkv.eval.runner import FULL, RunConfig, RunReport, format_bytes, run_eval
 from probkv.models import DEFAULT_MODEL
@@ -56,8 +57,10 @@ def demo_config(
     length: int = DEMO_LENGTH,
     per_task: int = DEMO_PER_TASK,
     question_aware: bool = False,
+    dtype: str = DEFAULT_DTYPE,
 ) -> RunConfig:
-    """One setting's run configuration (default model, :data:`DEMO_METHODS` at r = 0.5)."""
+    """One setting's run configuration (default model, :data:`DEMO_METHODS` at r = 0.5, the
+    model in ``dtype``, ``auto`` by default: :mod:`probkv.dtypes`)."""
     return RunConfig(
         model=model or DEFAULT_MODEL,
         methods=DEMO_METHODS,
@@ -67,6 +70,7 @@ def demo_config(
         per_task=per_task,
         seed=0,
         question_aware=question_aware,
+        dtype=dtype,
     )
 
 
@@ -118,13 +122,16 @@ def run_demo(
     threads: int = 1,
     length: int = DEMO_LENGTH,
     per_task: int = DEMO_PER_TASK,
+    dtype: str = DEFAULT_DTYPE,
     progress: bool = True,
 ) -> list[DemoRun]:
     """Run both settings into ``out_dir/<setting>/`` (resuming; a run with another
     configuration there is moved to ``previous-N/``) and write their figures there."""
     runs = []
     for setting, question_aware in DEMO_SETTINGS:
-        config = demo_config(model, length=length, per_task=per_task, question_aware=question_aware)
+        config = demo_config(
+            model, length=length, per_task=per_task, question_aware=question_aware, dtype=dtype
+        )
         folder = Path(out_dir) / setting
         report = run_eval(
             config, folder, workers=workers, threads=threads, force=True, progress=progress

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from probkv.dtypes import resolve_dtype
 from probkv.eval.config import FULL
 from probkv.eval.examples import ContextTooLongError, Example, fit_context, score_example
 from probkv.eval.plan import Unit
@@ -50,13 +51,15 @@ class JobSettings:
     question_aware: bool = False
     seed: int = 0
     truncate_middle: bool = False
+    dtype: str = "float32"  # the model's, "float32" or "bfloat16" (RunConfig.dtype)
 
 
-def load_prepared_model(name: str, threads: int):
-    """``(model, tokenizer)`` of ``name`` (``probkv.models``), prepared for eviction
+def load_prepared_model(name: str, threads: int, dtype: str = "float32"):
+    """``(model, tokenizer)`` of ``name`` (``probkv.models``) in ``dtype`` (``"float32"``,
+    ``"bfloat16"`` or ``"auto"``, :mod:`probkv.dtypes`), prepared for eviction
     (``probkv.hf.prepare_model``), with ``threads`` torch threads in this process."""
     torch.set_num_threads(threads)
-    model, tokenizer = load_model(name)
+    model, tokenizer = load_model(name, dtype=resolve_dtype(dtype))
     return prepare_model(model), tokenizer
 
 
@@ -168,6 +171,7 @@ def run_unit(model, tokenizer, unit: Unit, settings: JobSettings) -> Iterator[di
         "question_aware": settings.question_aware,
         "seed": settings.seed,
         "model": settings.model,
+        "dtype": settings.dtype,
     }
 
     def row(method: str, ratio: float, new_ids, measured: dict[str, Any]) -> dict[str, Any]:

@@ -119,7 +119,7 @@ def run_eval(
     resolve_model(config.model)  # unknown or not installed: refused here, not in a worker
     model = None
     if workers == 1:
-        model, tokenizer = load_prepared_model(config.model, threads)
+        model, tokenizer = load_prepared_model(config.model, threads, config.dtype)
         limit = max_positions(model.config)
     else:  # the workers load the model; this process needs its tokenizer and limit only
         tokenizer = load_tokenizer(config.model)
@@ -145,7 +145,7 @@ def run_eval(
         done = {job_key(r["id"], r["method"], r["ratio"]) for r in rows}
         units = plan_units(examples, jobs, done, reuse_prefill=reuse_prefill)
         settings = JobSettings(
-            config.model, config.question_aware, config.seed, config.truncate_middle
+            config.model, config.question_aware, config.seed, config.truncate_middle, config.dtype
         )
         skipped = len(done)
         run = 0

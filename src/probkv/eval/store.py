@@ -61,6 +61,7 @@ ROW_FIELDS = (
     "question_aware",
     "seed",  # the run's seed (task generation)
     "model",
+    "dtype",  # the model's dtype, "float32" or "bfloat16" (absent in rows of older probkv)
     "layers",  # per evicting layer: {"layer", "effective_ratio", "retained_attention_mass"}
 )
 _REQUIRED_ROW_KEYS = ("id", "task", "method", "ratio", "score")

@@ -48,7 +48,8 @@ def summarize(
 
     Returns a JSON-ready dict:
 
-    - ``model``, ``question_aware``, ``tasks`` (examples per task), ``num_examples``,
+    - ``model``, ``dtype`` (the model's; float32 for rows of an older probkv),
+      ``question_aware``, ``tasks`` (examples per task), ``num_examples``,
       ``methods`` (run order), ``ratios``, ``jobs_done``, ``jobs_total``, ``complete``;
     - ``entries``: one per (method, ratio) with rows (``full`` at ratio 0): ``num_examples``,
       ``task_scores`` (mean score per task), ``average_total`` (S7: split means weighted by
@@ -136,6 +137,7 @@ def summarize(
     total = jobs_total if jobs_total is not None else len(rows)
     return {
         "model": cfg.get("model") or rows[0].get("model"),
+        "dtype": cfg.get("dtype") or rows[0].get("dtype") or "float32",
         "question_aware": cfg.get("question_aware", rows[0].get("question_aware", False)),
         "tasks": {t: len(ids) for t, ids in sorted(tasks.items())},
         "num_examples": len({r["id"] for r in rows}),
@@ -193,6 +195,7 @@ def summary_markdown(summary: Mapping[str, Any]) -> str:
         "",
         f"{summary['num_examples']} examples in {len(tasks)} tasks "
         f"({', '.join(f'{t}: {n}' for t, n in tasks.items())}); {mode} eviction; "
+        f"{summary.get('dtype', 'float32')} model; "
         f"{summary['jobs_done']}/{summary['jobs_total']} jobs done"
         + ("" if summary["complete"] else " (incomplete: rerun the same command to resume)")
         + ".",

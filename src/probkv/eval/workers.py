@@ -24,7 +24,7 @@ def _worker_main(settings: JobSettings, threads: int, tasks, results) -> None:
     ``("row", row)`` per finished job and ``("done", n)`` per unit; ``("error", text)`` on
     failure."""
     try:
-        model, tokenizer = load_prepared_model(settings.model, threads)
+        model, tokenizer = load_prepared_model(settings.model, threads, settings.dtype)
         while (unit := tasks.get()) is not None:
             for row in run_unit(model, tokenizer, unit, settings):
                 results.put(("row", row))
