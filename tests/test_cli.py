@@ -124,6 +124,9 @@ def test_generate_prints_answer_and_timings(tmp_path, capsys, cache):
     # Greedy decoding: the same answer both times.
     answer = [line for line in first.splitlines() if line.startswith("answer:")]
     assert answer == [line for line in second.splitlines() if line.startswith("answer:")]
+    assert cli.main([*argv, "--dtype", "bfloat16"]) == 0
+    model_line = capsys.readouterr().out.splitlines()[0]
+    assert model_line.startswith("model: ") and model_line.endswith(", bfloat16")
 
 
 def test_errors_are_reported_not_raised(capsys, cache):

@@ -455,7 +455,8 @@ def test_cli_is_wired_and_parses_lists():
 
 
 def test_cli_end_to_end_on_a_tiny_model_folder(tmp_path, capsys):
-    """The whole command on a saved tiny model: prompt file, chat format, compounded steps."""
+    """The whole command on a saved tiny model: prompt file, chat format, compounded steps,
+    the model in bfloat16 (recorded in the header)."""
     from probkv import cli
 
     folder = tmp_path / "tiny"
@@ -467,10 +468,11 @@ def test_cli_end_to_end_on_a_tiny_model_folder(tmp_path, capsys):
     status = cli.main(
         ["attention-error", "--model", str(folder), "--prompt-file", str(text), "--question",
          "What is wide?", "--ratios", "0,0.5", "--taus", "1", "--seeds", "2", "--steps", "2",
-         "--out", str(out)]
+         "--out", str(out), "--dtype", "bfloat16"]
     )  # fmt: skip
     assert status == 0
     result = json.loads(out.read_text())
+    assert result["header"]["dtype"] == result["header"]["arguments"]["dtype"] == "bfloat16"
     header, rows = result["header"], result["rows"]
     assert header["prompt"]["format"] == "chat" and header["prompt"]["source"] == "file"
     tokenizer = tiny_tokenizer()
