@@ -25,6 +25,8 @@ import time
 
 import torch
 
+from probkv.dtypes import DTYPE_CHOICES
+
 
 def rss_mib() -> float:
     """Resident memory of this process now, MiB (Linux /proc)."""
@@ -34,12 +36,13 @@ def rss_mib() -> float:
 
 def run_one(args: argparse.Namespace) -> dict:
     """One variant, in this process: generate, then report memory, time and fingerprints."""
+    from probkv.dtypes import resolve_dtype
     from probkv.hf import ProbKVCache, prepare_model
     from probkv.models import load_model
     from probkv.policies import parse_method
 
     torch.set_num_threads(args.threads)
-    model, _ = load_model(args.model)
+    model, _ = load_model(args.model, dtype=resolve_dtype(args.dtype))
     prepare_model(model)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, model.config.vocab_size, (1, args.length), generator=gen)
@@ -91,6 +94,9 @@ def main() -> None:
     parser.add_argument("--method", default="snapkv")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--dtype", choices=DTYPE_CHOICES, default="auto", help="model dtype (probkv.dtypes)"
+    )
     args = parser.parse_args()
     if args.one:
         print(json.dumps(run_one(args)))
@@ -105,10 +111,15 @@ def main() -> None:
             str(chunk),
             "--threads",
             str(args.threads),
+            "--dtype",
+            args.dtype,
         ]
         done = subprocess.run(argv, capture_output=True, text=True, check=True)
         results[name] = json.loads(done.stdout.strip().splitlines()[-1])
-    print(f"{args.model}, {args.method} at r = 0.5, prompt {args.length} tokens, 8 new tokens")
+    print(
+        f"{args.model} (--dtype {args.dtype}), {args.method} at r = 0.5, prompt {args.length} "
+        "tokens, 8 new tokens"
+    )
     for name, r in results.items():
         print(
             f"  {name:>16}: peak {r['peak_mib']:7.0f} MiB (before generate {r['model_mib']:5.0f}),"

@@ -363,10 +363,13 @@ def prefill_comparison(t: int, args: argparse.Namespace) -> dict:
     Both use ``logits_to_keep=1``; rounds alternate between the two so that load from other
     processes falls on both alike; best of ``args.prefill_reps`` each (seconds).
     """
+    from probkv.dtypes import resolve_dtype
     from probkv.hf import ProbKVCache, prepare_model
     from probkv.models import load_model
 
-    model, _ = load_model("smollm2-135m", attn_implementation="sdpa")
+    model, _ = load_model(
+        "smollm2-135m", dtype=resolve_dtype(args.dtype), attn_implementation="sdpa"
+    )
     gen = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(0, model.config.vocab_size, (1, t), generator=gen)
     policy = ProbabilisticPolicy(score="min-h", ratio=args.ratio, scope="global", seed=args.seed)
@@ -417,6 +420,12 @@ def main() -> None:
     ap.add_argument("--prefill-t", type=int, default=8192)
     ap.add_argument("--prefill-reps", type=int, default=2)
     ap.add_argument("--no-prefill", action="store_true")
+    ap.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="SmolLM2's dtype in the prefill comparison (probkv.dtypes)",
+    )
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--memory-child", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -526,7 +535,8 @@ def main() -> None:
     prefill = pre["plain"]
     print(
         f"\n(5) SmolLM2-135M plain prefill of {args.prefill_t} random tokens (sdpa, "
-        f"logits_to_keep=1, {args.threads} thread(s), best of {args.prefill_reps}): {prefill:.2f} s"
+        f"logits_to_keep=1, {args.threads} thread(s), --dtype {args.dtype}, best of "
+        f"{args.prefill_reps}): {prefill:.2f} s"
     )
     for r in results:
         if r["t"] != args.prefill_t:

@@ -23,6 +23,7 @@ import time
 import torch
 from transformers import DynamicCache
 
+from probkv.dtypes import DTYPE_CHOICES, resolve_dtype, resolve_dtype_name
 from probkv.hf import compress, prepare_model, repeat_prompt
 from probkv.models import load_model
 from probkv.policies import parse_method
@@ -51,12 +52,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="repeats (best of)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--methods", default="kvzip,snapkv")
+    parser.add_argument(
+        "--dtype", choices=DTYPE_CHOICES, default="auto", help="model dtype (probkv.dtypes)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, dtype=resolve_dtype(args.dtype))
     prompt = repeat_prompt(tokenizer)
     methods = args.methods.split(",")
-    print(f"model {args.model}, torch threads {torch.get_num_threads()}, float32, batch 1")
+    print(
+        f"model {args.model}, torch threads {torch.get_num_threads()}, "
+        f"{resolve_dtype_name(args.dtype)} (--dtype {args.dtype}), batch 1"
+    )
     gen = torch.Generator().manual_seed(0)
     for t in (int(x) for x in args.lengths.split(",")):
         ids = torch.randint(100, model.config.vocab_size - 100, (1, t), generator=gen)

@@ -26,6 +26,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from probkv import model_files, models
+from probkv.dtypes import DTYPE_CHOICES, resolve_dtype
 
 
 def _timed(fn) -> float:
@@ -49,7 +50,11 @@ def main() -> None:
     parser.add_argument("--model", default=models.DEFAULT_MODEL)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--dtype", choices=DTYPE_CHOICES, default="auto", help="model dtype (probkv.dtypes)"
+    )
     args = parser.parse_args()
+    dtype = resolve_dtype(args.dtype)
     torch.set_num_threads(args.threads)
 
     resolved = models.resolve_model(args.model)  # converts once if needed
@@ -67,7 +72,7 @@ def main() -> None:
         assert model_files.folder_problem(folder, key) is None
 
     def load() -> None:
-        AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True)
+        AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
         AutoTokenizer.from_pretrained(folder, local_files_only=True)
 
     def source() -> None:
@@ -77,7 +82,7 @@ def main() -> None:
     def load_model() -> None:
         model_files._VERIFIED.clear()
         models._SHA_MEMO.clear()
-        models.load_model(args.model)
+        models.load_model(args.model, dtype=dtype)
 
     variants = {"verify": verify, "load": load, "load_model": load_model}
     if parts:
