@@ -19,7 +19,7 @@ On a machine without CUDA it refuses ("no CUDA device"). ``--device cpu`` runs t
 measurements on the CPU, for a smoke test: ``--device cpu --lengths 1024`` (add
 ``--tiny llama`` for a tiny random model instead of SmolLM2; tests/test_bench_gpu.py runs it).
 
-    .venv/bin/python benchmarks/bench_gpu.py [--lengths 8192,32768] [--dtype bfloat16]
+    .venv/bin/python benchmarks/bench_gpu.py [--lengths 8192,32768] [--dtype auto]
         [--model smollm2-135m] [--decode-tokens 32] [--repeats 2] [--device cuda]
 """
 
@@ -41,6 +41,7 @@ from probkv.attention import (
     column_sums_from_log_normalisers,
     harmonic_row_weights,
 )
+from probkv.dtypes import DTYPE_CHOICES, MODEL_DTYPES, resolve_dtype_name
 from probkv.hf import ProbKVCache, observe, prepare_model
 from probkv.models import load_model
 from probkv.policies import parse_method
@@ -208,7 +209,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (smoke test)")
     ap.add_argument("--lengths", default="8192,32768")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPE_CHOICES,
+        help="model dtype (default auto: bfloat16 on a CUDA device that supports it)",
+    )
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--tiny", choices=TINY_ARCHITECTURES, help="a tiny random model instead")
     ap.add_argument("--decode-tokens", type=int, default=32)
@@ -229,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"--lengths must be integers >= 2, got {args.lengths!r}")
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    dtype = getattr(torch, args.dtype)
+    dtype_name = resolve_dtype_name(args.dtype, device)
+    dtype = MODEL_DTYPES[dtype_name]
     if args.tiny:
         model = tiny_model(args.tiny, dtype=dtype, max_position_embeddings=max(lengths) + 64)
         name = f"tiny {args.tiny}"
@@ -238,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         name = args.model
     model = model.to(device)
     label = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"model {name}, {args.dtype}, device {label}, torch {torch.__version__}, batch 1")
+    print(f"model {name}, {dtype_name}, device {label}, torch {torch.__version__}, batch 1")
     gen = torch.Generator().manual_seed(0)
     for t in lengths:
         ids = torch.randint(100, model.config.vocab_size - 100, (1, t), generator=gen)
