@@ -16,7 +16,7 @@ run:
   the median step is reported, with measured / ideal (the cost of the ragged layout and the
   correction) and its inverse, the fraction of the ideal speed (target >= 0.9); the
   correction's cost as a share of an uncorrected step (target <= 3%); and the speed-up over
-  the full cache;
+  the full cache (``--no-decode`` skips this part);
 - cache bytes of every variant and their ratio to the full cache.
 
 Threads: one torch thread by default (``--threads``); on the 2-core VMs one thread per process
@@ -24,7 +24,7 @@ was measured faster than two in one process. Absolute times depend on the machin
 ``--dtype`` (default auto, :mod:`probkv.dtypes`) is the model's dtype.
 
     .venv/bin/python benchmarks/bench_integration.py [--lengths 2048,4096,8192]
-        [--decode-tokens 32] [--repeats 2] [--scores all] [--no-prefill] [--dtype auto]
+        [--decode-tokens 32] [--repeats 2] [--scores all] [--no-prefill | --no-decode] [--dtype auto]
 """
 
 from __future__ import annotations
@@ -181,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         "--scores", default="all", help="comma-separated scores whose prefill is timed (all)"
     )
     parser.add_argument("--no-prefill", action="store_true", help="decode measurements only")
+    parser.add_argument("--no-decode", action="store_true", help="prefill measurements only")
     args = parser.parse_args(argv)
     scores = list(SCORE_NAMES) if args.scores == "all" else args.scores.split(",")
     unknown = [s for s in scores if s not in SCORE_NAMES]
@@ -201,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n== context {t} tokens ==", flush=True)
         if not args.no_prefill:
             bench_prefill(model, ids, methods, args.repeats, prompt)
-        bench_decode(model, ids, args.decode_tokens)
+        if not args.no_decode:
+            bench_decode(model, ids, args.decode_tokens)
     return 0
 
 
