@@ -3,8 +3,9 @@ and its identity (:data:`IDENTITY_KEYS`), which a resume compares.
 
 A data file enters the identity by its SHA-256, not its path; the model's dtype enters it by
 its concrete name (``auto`` is resolved on construction, :mod:`probkv.dtypes`), so a resume
-in another dtype never mixes rows; workers, threads and prefill reuse are execution details (arguments of :func:`probkv.eval.runner.run_eval`), not part of
-the configuration, and may change between reruns.
+in another dtype never mixes rows; workers, threads and prefill reuse are execution details
+(arguments of :func:`probkv.eval.runner.run_eval`), not part of the configuration, and may
+change between reruns.
 """
 
 from __future__ import annotations
