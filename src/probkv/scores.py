@@ -146,6 +146,9 @@ class ScoreSpec:
     ``budget_scope``: the scope of ``prob:<score>``'s budget by default, ``"head"`` (each KV
     head keeps 1 - r) or ``"global"`` (heads of all layers compete on the score's scale, S9;
     KVzip's own design, so its scores' default); ``"global"`` needs ``attention_scale``.
+    ``prob_core``: the deterministic core of ``prob:<score>``'s pps by default (S10.2), from
+    probkv's measurements (docs/evaluation.md): 0.5 for ``kvzip``, whose top entries are the
+    ones later questions need; 0 (pure pps) for the others.
     """
 
     function: Callable[..., Scores]
@@ -156,6 +159,7 @@ class ScoreSpec:
     source: Literal["prefill", "reconstruction"] = "prefill"
     last_rows: int | str = 1
     budget_scope: Literal["head", "global"] = "head"
+    prob_core: float = 0.0
 
     def __post_init__(self) -> None:
         # A row that cannot be called as declared fails at import, not at the first prefill.
@@ -171,6 +175,8 @@ class ScoreSpec:
             raise ValueError(
                 f"{self.function.__name__}: budget_scope 'global' needs attention_scale"
             )
+        if not 0.0 <= self.prob_core <= 1.0:
+            raise ValueError(f"{self.function.__name__}: prob_core must be in [0, 1]")
         if isinstance(self.last_rows, str):
             check_choice(self.last_rows, self.params, "last_rows")
         else:
@@ -241,6 +247,7 @@ SCORE_TABLE: dict[str, ScoreSpec] = {
         attention_scale=True,
         source="reconstruction",
         budget_scope="global",
+        prob_core=0.5,
     ),
     "h2o-rec": ScoreSpec(
         h2o_reconstruction,
@@ -296,6 +303,11 @@ def on_attention_scale(name: str) -> bool:
 def budget_scope(name: str) -> Literal["head", "global"]:
     """The default budget scope of ``prob:<name>`` (``ScoreSpec.budget_scope``)."""
     return score_spec(name).budget_scope
+
+
+def prob_core(name: str) -> float:
+    """The default core of ``prob:<name>`` with pps (``ScoreSpec.prob_core``, S10.2)."""
+    return score_spec(name).prob_core
 
 
 def default_params(name: str) -> dict[str, object]:

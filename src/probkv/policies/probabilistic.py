@@ -66,8 +66,9 @@ class ProbabilisticPolicy(EvictionPolicy):
     - ``seed``: same seed, same kept set.
     - ``pool``: max-pool the log-scores over positions with this odd kernel before they become
       the proposal (S10; 1 = none), so a needle's neighbours share its score.
-    - Span-preserving pps designs (S10.2-S10.4; ``sampler="pps"`` only; the defaults are S9's
-      pps): ``core`` = f in [0, 1], per head the ``floor(f b)`` entries of largest proposal
+    - Span-preserving pps designs (S10.2-S10.4; ``sampler="pps"`` only; defaults: blocks of 8
+      in random order, and the score's ``prob_core``, 0.5 for ``kvzip`` and 0 for the others,
+      from docs/evaluation.md): ``core`` = f in [0, 1], per head the ``floor(f b)`` entries of largest proposal
       (``b`` = budget after forced entries; ties by the score, then the later position) are
       kept with weight 1 and the rest of the budget is pps over the other entries (``core=1``
       is the top-k method of ``score``); ``block`` = entries per sampling unit (runs of
@@ -101,12 +102,12 @@ class ProbabilisticPolicy(EvictionPolicy):
     uniform_mix: float = 1.0
     recent: float = 0.0
     seed: int = 0
-    core: float = 0.0
+    core: float | None = None  # None: the score's prob_core for sampler="pps", 0 otherwise
     block: int | None = None  # None: PPS_BLOCK for sampler="pps", 1 otherwise
     order: str | None = None  # None: PPS_ORDER for sampler="pps", "position" otherwise
     pool: int = 1
 
-    # Fields whose defaults depend on these (block, order on the sampler): method names
+    # Fields whose defaults depend on these (core, block, order on the sampler): method names
     # compare them with the defaults of a policy with the same sampler.
     DEFAULTS_DEPEND_ON: ClassVar[tuple[str, ...]] = ("sampler",)
 
@@ -134,6 +135,8 @@ class ProbabilisticPolicy(EvictionPolicy):
     def _check_span_options(self) -> None:
         """S10: ``core``, ``block``, ``order`` (pps designs) and ``pool``."""
         pps = self.sampler == "pps"
+        if self.core is None:
+            object.__setattr__(self, "core", scores.prob_core(self.score) if pps else 0.0)
         if self.block is None:
             object.__setattr__(self, "block", PPS_BLOCK if pps else 1)
         if self.order is None:
