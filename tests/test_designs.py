@@ -149,6 +149,11 @@ def test_block_one_in_position_order_is_s9_pps_bit_for_bit(seed):
     new_global = block_design_global(pis, global_budget(pis, 0.7, always), 1)
     for a, b in zip(old_global, new_global, strict=True):
         assert torch.equal(b.entry_inclusion, a)
+    masses = [torch.tensor([0.5, 1.0, 0.2], dtype=torch.float64), torch.tensor([2.0, 0.1])]
+    old_global = sampling.pps_inclusion_probabilities_global(pis, 0.7, always, row_mass=masses)
+    new_global = block_design_global(pis, global_budget(pis, 0.7, always), 1, row_mass=masses)
+    for a, b in zip(old_global, new_global, strict=True):
+        assert torch.equal(b.entry_inclusion, a)
 
 
 # ------------------------------------------------------------------------ capping (S10.3)

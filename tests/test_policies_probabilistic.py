@@ -501,19 +501,22 @@ def test_core_is_weight_one_and_the_rest_pps_of_the_restricted_proposal(pool):
 
 
 def test_global_core_is_the_top_of_all_heads_then_one_scale():
-    """S10.2 with scope=global: the core is the floor(f S) entries of largest proposal over all
-    heads of all layers (S = sum_h (1 - r) t_h - forced), weight 1; the rest is pps with one
-    lam over the remaining entries of every head, P = min(1, lam pi), sum P = S - |C|."""
+    """S10.2 with scope=global: the core is the floor(f S) entries of largest score over all
+    heads of all layers (S = sum_h (1 - r) t_h - forced; h2o is on the attention scale, so the
+    raw log-scores are compared), weight 1; the rest is pps with one lam over the remaining
+    entries of every head weighed by the head's attention mass (S9): P = min(1, lam m_h pi),
+    m_h = sum_i exp(s_hi), sum P = S - |C|."""
     policy = parse_method("prob:h2o/scope=global/core=0.5/block=1/order=position", ratio=0.75)
     obs = [
         synthetic(torch.randn(2, 30 + 10 * i, generator=gen(i)) * 2, layer_idx=i) for i in range(2)
     ]
     pis = [policy.proposal(o).double() for o in obs]
+    masses = [torch.logsumexp(o.log_scores.double(), -1).exp() for o in obs]
     total = 0.25 * (2 * 30 + 2 * 40)
-    flat = torch.cat([p.flatten() for p in pis])
-    order = sorted(range(flat.numel()), key=lambda i: (-float(flat[i]), -i))
+    keys = torch.cat([o.log_scores.double().flatten() for o in obs])
+    order = sorted(range(keys.numel()), key=lambda i: (-float(keys[i]), -i))
     core = set(order[: floor_fraction(0.5, total)])
-    rest = flat.clone()
+    rest = torch.cat([(p * m.unsqueeze(-1)).flatten() for p, m in zip(pis, masses)])
     rest[list(core)] = 0.0
     P = reference_capping(rest, total - len(core))
     sels = policy.select(obs, num_layers=2)
@@ -532,6 +535,44 @@ def test_global_core_is_the_top_of_all_heads_then_one_scale():
                 target = 0.0 if i in core else -math.log(float(P[i]))
                 assert w == pytest.approx(target, rel=1e-5, abs=1e-6)
     assert abs(kept_total - total) < 4  # each of the 4 heads within 1 of its expectation
+
+
+@pytest.mark.parametrize("score", ["h2o", "knorm"])
+@pytest.mark.parametrize("window", [0, 4])
+def test_global_core_one_is_the_global_top_k(score, window):
+    """S9, S10.1: prob:<score>/scope=global/core=1 keeps exactly the kept sets of the global
+    top-k (Ada-KV's allocation over all heads and layers without safeguard, alpha = 0, which
+    is KVzip's rule), weight 1, when (1 - r) t is an integer: both rank raw scores on the
+    attention scale and per-head distributions otherwise."""
+    obs = [
+        synthetic(2 * torch.randn(3, 40, generator=gen(10 + i)), window=window, layer_idx=i)
+        for i in range(3)
+    ]
+    prob = parse_method(f"prob:{score}/scope=global/core=1", ratio=0.75)
+    topk = parse_method(f"topk:{score}/layer_budgets=global/head_budgets=ada/alpha=0", 0.75)
+    for a, b in zip(prob.select(obs, num_layers=3), topk.select(obs, num_layers=3), strict=True):
+        assert torch.equal(a.indices, b.indices) and torch.equal(a.lengths, b.lengths)
+        assert a.log_weights is None or torch.all(a.log_weights == 0)
+
+
+def test_global_scope_weighs_heads_only_on_the_attention_scale():
+    """S9 global: a head whose scores are all 10x smaller on the attention scale (h2o) keeps
+    ~10x fewer entries (its mass m_h is 10x smaller); for knorm (not attention) each head's
+    proposal is a distribution and both heads keep the same expected number."""
+    base = torch.randn(1, 50, generator=gen(3))
+    log_scores = torch.cat([base, base - math.log(10.0)])
+    for score, head_weights in (("h2o", (1.0, 0.1)), ("knorm", (1.0, 1.0))):
+        policy = parse_method(f"prob:{score}/scope=global/block=1/order=position", ratio=0.9)
+        obs = synthetic(log_scores)
+        pi = policy.proposal(obs).double()
+        weighed = torch.cat([pi[h] * w for h, w in enumerate(head_weights)])
+        P = reference_capping(weighed, 10.0)
+        expected = [float(P[:50].sum()), float(P[50:].sum())]
+        kept = policy.select([obs], num_layers=1)[0]
+        for h in range(2):
+            n = len(kept.head(h)[0])
+            assert math.floor(expected[h] - 1e-9) <= n <= math.ceil(expected[h] + 1e-9)
+    assert expected[0] == pytest.approx(expected[1])  # knorm: the heads weigh the same
 
 
 def reference_capping(p: torch.Tensor, n: float) -> torch.Tensor:
@@ -610,7 +651,7 @@ def test_span_designs_property(
 )
 def test_span_designs_global_property(lengths, heads, ratio, core, block, order, window, seed):
     """scope=global: forced entries and the global core (the floor(f S) entries of largest
-    proposal over all heads, S the sampled budget) are kept with log-weight 0; log-weights
+    raw score over all heads, h2o being on the attention scale, S the sampled budget) are kept with log-weight 0; log-weights
     are finite and >= 0; every head keeps within block of its expected count, so the total over
     the sampled heads is within (heads) x block of their global budget (a head whose entries
     are all forced is left out of the sampling); the same seed gives the same selections."""
@@ -632,9 +673,10 @@ def test_span_designs_global_property(lengths, heads, ratio, core, block, order,
     )
     target = sum((1 - ratio) * t * int(lv.sum()) for t, lv in zip(lengths, live))
     flat = torch.cat([p.flatten() for p in pis])
+    keys = torch.cat([o.log_scores.double().flatten() for o in fitted])  # h2o: attention scale
     count = floor_fraction(core, max(target - forced_total, 0.0))
     ranked = sorted(
-        (i for i in range(flat.numel()) if flat[i] > 0), key=lambda i: (-float(flat[i]), -i)
+        (i for i in range(flat.numel()) if flat[i] > 0), key=lambda i: (-float(keys[i]), -i)
     )
     core_flat = set(ranked[:count])
     kept_total, offset = 0, 0

@@ -19,6 +19,7 @@ from probkv.proposals import (
     FLOOR,
     check_pool_kernel,
     group_mixture,
+    log_mass,
     max_pool_log_scores,
     proposal_from_log_scores,
     with_floor,
@@ -357,3 +358,16 @@ def test_bad_input_raises_value_error():
         build_proposal("h2", q, k, v, scale=1.0)
     with pytest.raises(ValueError, match="tau must be > 0"):
         build_proposal("h2o", q, k, v, scale=1.0, tau=0)
+
+
+def test_log_mass_is_the_log_of_the_free_entries_tempered_mass():
+    """S9 global: log sum_i exp(s_i / tau) over the non-forced entries; tau = inf counts them."""
+    s = torch.tensor([[0.0, math.log(2.0), math.log(3.0), 5.0], [1.0, 1.0, 1.0, 1.0]])
+    forced = torch.tensor([[False, False, False, True], [True, True, True, True]])
+    assert log_mass(s, forced=forced).tolist() == pytest.approx([math.log(6.0), -math.inf])
+    assert log_mass(s[:1], tau=2.0)[0].item() == pytest.approx(
+        math.log(1 + 2**0.5 + 3**0.5 + math.exp(2.5))
+    )
+    assert log_mass(s, tau=math.inf, forced=forced)[0].item() == pytest.approx(math.log(3.0))
+    with pytest.raises(ValueError, match="tau"):
+        log_mass(s, tau=0.0)

@@ -301,6 +301,38 @@ def test_bad_ratio_fails(ratio):
         parse_method("snapkv", ratio=ratio)
 
 
+def test_prob_kvzip_budget_is_global_by_default():
+    """S9, S10.1: prob:kvzip competes over all heads and layers like KVzip (the score's
+    budget_scope); the other scores keep a per-head budget; names round-trip either way."""
+    assert parse_method("prob:kvzip").scope == "global"
+    assert parse_method("prob:snapkv").scope == "head"
+    assert ProbabilisticPolicy(score="kvzip").scope == "global"
+    for name in ("prob:kvzip", "prob:kvzip/scope=head", "prob:h2o/scope=global"):
+        assert method_name(parse_method(name, 0.5)) == name
+    assert [s for s in SCORE_NAMES if scores.budget_scope(s) == "global"] == ["kvzip"]
+
+
+def test_prob_kvzip_core_default_follows_the_sampler():
+    """S10.2: prob:kvzip's pps keeps a core of half its budget by default (measured,
+    docs/evaluation.md); the with-replacement sampler has no core; the others default to 0."""
+    assert parse_method("prob:kvzip").core == 0.5
+    assert parse_method("prob:kvzip/sampler=with_replacement").core == 0.0
+    assert parse_method("prob:snapkv").core == 0.0
+    assert [s for s in SCORE_NAMES if scores.prob_core(s) > 0] == ["kvzip"]
+    names = ("prob:kvzip/core=0", "prob:kvzip/sampler=with_replacement", "prob:kvzip/core=1")
+    for name in names:
+        assert method_name(parse_method(name, 0.75)) == name
+    with pytest.raises(ValueError, match="prob_core"):
+        scores.ScoreSpec(scores.knorm, ("key",), prob_core=1.5)
+
+
+def test_budget_scope_global_needs_the_attention_scale():
+    with pytest.raises(ValueError, match="budget_scope"):
+        scores.ScoreSpec(scores.knorm, ("key",), budget_scope="global")
+    with pytest.raises(ValueError, match="budget_scope"):
+        scores.ScoreSpec(scores.knorm, ("key",), budget_scope="layer")
+
+
 def test_kvzip_names():
     """kvzip is KVzip's global top-k (S10.1: one budget over all heads and layers, no
     safeguard); ada_kvzip uses Ada-KV within each layer; the S10.1 proposals are scores."""

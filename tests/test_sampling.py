@@ -438,6 +438,33 @@ def test_pps_global_one_scale_for_all_heads():
     assert sum(x.sum().item() for x in P) == pytest.approx(0.3 * 195 - 15, abs=1e-9)
 
 
+def test_pps_global_row_mass_weighs_each_head():
+    """S9 global with ``row_mass``: one lam over ``m_h pi_hi`` (the literal capping on the
+    weighed concatenation); masses of 1 change nothing, bit for bit; bad masses are refused."""
+    pis = [
+        torch.stack([make_proposal("dirichlet:1", t, 5 * t + h) for h in range(2)])
+        for t in (30, 50)
+    ]
+    masses = [torch.tensor([1.0, 0.05], dtype=torch.float64), torch.tensor([0.3, 2.0])]
+    P = pps_inclusion_probabilities_global(pis, 0.6, row_mass=masses)
+    weighed = torch.cat(
+        [(pi.double() * m.double()[:, None]).flatten() for pi, m in zip(pis, masses)]
+    )
+    ref = _pps_reference(weighed.tolist(), 0.4 * 160)
+    flat = torch.cat([x.flatten() for x in P])
+    assert torch.allclose(flat, torch.tensor(ref, dtype=torch.float64), rtol=1e-8)
+    ones = [torch.ones(2), torch.ones(2)]
+    for a, b in zip(
+        pps_inclusion_probabilities_global(pis, 0.6, row_mass=ones),
+        pps_inclusion_probabilities_global(pis, 0.6),
+        strict=True,
+    ):
+        assert torch.equal(a, b)
+    for bad in ([torch.ones(3), torch.ones(2)], [torch.ones(2)], [torch.ones(2), -torch.ones(2)]):
+        with pytest.raises(ValueError, match="row_mass"):
+            pps_inclusion_probabilities_global(pis, 0.6, row_mass=bad)
+
+
 def test_systematic_sample_exact_size_and_take_all():
     """S9: exactly k entries per row when sum P = k is an integer; P = 1 always kept; P = 0 never."""
     pi = torch.stack([make_proposal(kind, 200, s) for s, kind in enumerate(KINDS)])

@@ -30,6 +30,7 @@ from fractions import Fraction
 
 import torch
 
+from probkv import sampling
 from probkv._checks import check_choice, check_ratio
 
 ORDERS = ("position", "random")
@@ -76,17 +77,26 @@ def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
     return x
 
 
-def _mass(pi: torch.Tensor, outside: torch.Tensor | None, name: str) -> torch.Tensor:
-    """float64 rows ``[R, t]`` of a proposal, each divided by its sum (zero rows stay zero), then
-    zero where ``outside`` (bool ``[R, t]``, e.g. the core) is set. The division is
-    ``sampling``'s, so that ``block = 1`` reproduces its pps bit for bit; zeroing after it keeps
-    the rows' common scale, which the global scope's one ``lam`` compares across heads."""
+def _mass(
+    pi: torch.Tensor,
+    outside: torch.Tensor | None,
+    name: str,
+    *,
+    row_mass: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """float64 rows ``[R, t]`` of a proposal, each divided by its sum (zero rows stay zero) and
+    multiplied by its ``row_mass`` (float64 ``[R]``, validated by the caller), then zero where
+    ``outside`` (bool ``[R, t]``, e.g. the core) is set. The arithmetic is ``sampling``'s, so
+    that ``block = 1`` reproduces its pps bit for bit; zeroing after it keeps the rows' common
+    scale, which the global scope's one ``lam`` compares across heads."""
     _rows(pi, name)
     if not torch.is_floating_point(pi) or not torch.isfinite(pi).all() or (pi < 0).any():
         raise ValueError(f"{name} must be finite and >= 0 (a proposal), got dtype {pi.dtype}")
     p = pi.to(torch.float64)
     total = p.sum(-1, keepdim=True)
     p = p / torch.where(total > 0, total, 1.0)
+    if row_mass is not None:
+        p = p * row_mass.to(p.device).unsqueeze(-1)
     if outside is None:
         return p
     if not isinstance(outside, torch.Tensor) or outside.dtype != torch.bool:
@@ -314,19 +324,26 @@ def block_design_global(
     block: int = 1,
     *,
     outside: Sequence[torch.Tensor] | None = None,
+    row_mass: Sequence[torch.Tensor] | None = None,
 ) -> list[UnitDesign]:
     """``block_design`` with one ``lam`` for every row of every tensor (scope "global", S9):
     ``sum`` over all heads of ``sum_k |B_k| P_k`` is ``n``. With ``block = 1`` this is
-    ``sampling.pps_inclusion_probabilities_global`` bit for bit (``n`` from ``global_budget``).
-    Each row is normalised before ``outside`` (one mask per tensor) zeroes entries, so ``lam``
-    compares the heads' proposals as they are: ``P = min(1, lam pi)`` on the remaining entries.
-    A head's own expected size is then real, and its kept count random (``sample_design``)."""
+    ``sampling.pps_inclusion_probabilities_global`` bit for bit (``n`` from ``global_budget``,
+    the same ``row_mass``). Each row is normalised, then multiplied by its ``row_mass`` (the
+    head's weight against the others, 1 if None), before ``outside`` (one mask per tensor)
+    zeroes entries, so ``lam`` compares the heads as weighed: ``P = min(1, lam m_h pi)`` on the
+    remaining entries. A head's own expected size is then real, and its kept count random
+    (``sample_design``)."""
     if not isinstance(pis, (list, tuple)) or len(pis) == 0:
         raise ValueError("pis must be a non-empty list of tensors [rows, t]")
     masks = [None] * len(pis) if outside is None else list(outside)
     if len(masks) != len(pis):
         raise ValueError(f"outside must hold one mask per tensor ({len(pis)}), got {len(masks)}")
-    parts = [_units(_mass(p, o, f"pis[{i}]"), block) for i, (p, o) in enumerate(zip(pis, masks))]
+    weights = sampling.row_masses(row_mass, pis)
+    parts = [
+        _units(_mass(p, o, f"pis[{i}]", row_mass=w), block)
+        for i, (p, o, w) in enumerate(zip(pis, masks, weights))
+    ]
     flat_mass = torch.cat([m.reshape(1, -1) for _, _, m in parts], -1)
     flat_sizes = torch.cat([s.reshape(1, -1) for _, s, _ in parts], -1)
     num, den = capped_scale(flat_mass, flat_sizes, _per_row(n, 1, "n", flat_mass.device))

@@ -165,6 +165,29 @@ def proposal_from_log_scores(
     return pi.masked_fill(~free, 0.0).to(torch.float32)
 
 
+def log_mass(
+    log_scores: torch.Tensor, *, tau: float = 1.0, forced: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``log sum_i exp(s_i / tau)`` per row over the non-forced entries (S9 global scope).
+
+    For log-scores on the attention scale (``tau = 1``) this is the log of the attention mass a
+    head's sampled entries carry: what its proposal weighs against the other heads' when one
+    pps scale serves them all. ``tau = inf`` gives ``log n`` (every entry weighs 1, as the
+    uniform proposal). Rows with every entry forced give ``-inf``.
+
+    Returns float64 ``log_scores.shape[:-1]``.
+    """
+    if not isinstance(log_scores, torch.Tensor) or not torch.is_floating_point(log_scores):
+        raise ValueError("log_scores must be a floating-point tensor")
+    tau = check_tau(tau)
+    _check_forced(forced, log_scores)
+    z = log_scores.to(torch.float64)
+    z = torch.zeros_like(z) if math.isinf(tau) else z / tau
+    if forced is not None:
+        z = z.masked_fill(forced, -math.inf)
+    return torch.logsumexp(z, -1)
+
+
 def check_pool_kernel(kernel: int, name: str = "pool") -> int:
     """A max-pooling kernel over positions: an odd integer ``>= 1`` (centred; 1 = no pooling)."""
     if isinstance(kernel, bool) or not isinstance(kernel, int) or kernel < 1 or kernel % 2 == 0:

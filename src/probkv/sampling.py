@@ -225,10 +225,35 @@ def pps_inclusion_probabilities(
     return _capped(rows, *_pps_scale(rows, sampled)).reshape(p.shape)
 
 
+def row_masses(
+    row_mass: torch.Tensor | Sequence[torch.Tensor] | None, tensors: Sequence[torch.Tensor]
+) -> list[torch.Tensor | None]:
+    """Validated float64 ``row_mass``: one tensor per proposal tensor, shaped like its rows
+    (``pi.shape[:-1]``), finite and ``>= 0``; ``None`` (every row weighs 1) passes through."""
+    if row_mass is None:
+        return [None] * len(tensors)
+    masses = [row_mass] if isinstance(row_mass, torch.Tensor) else row_mass
+    if not isinstance(masses, (list, tuple)) or len(masses) != len(tensors):
+        raise ValueError(f"row_mass must hold one tensor per proposal tensor ({len(tensors)})")
+    out = []
+    for i, (m, p) in enumerate(zip(masses, tensors)):
+        if not isinstance(m, torch.Tensor) or tuple(m.shape) != tuple(p.shape[:-1]):
+            raise ValueError(
+                f"row_mass[{i}] must be a tensor of shape {tuple(p.shape[:-1])} (one per row)"
+            )
+        m = m.to(torch.float64)
+        if not torch.isfinite(m).all() or (m < 0).any():
+            raise ValueError(f"row_mass[{i}] must be finite and >= 0, got {m.tolist()}")
+        out.append(m)
+    return out
+
+
 def pps_inclusion_probabilities_global(
     pis: Probabilities,
     ratio: float,
     always_kept: Count | Sequence[Count] | None = None,
+    *,
+    row_mass: torch.Tensor | Sequence[torch.Tensor] | None = None,
 ) -> torch.Tensor | list[torch.Tensor]:
     """pps inclusion probabilities with one ``lam`` for all heads of all layers (S9 global).
 
@@ -247,11 +272,17 @@ def pps_inclusion_probabilities_global(
     targets the mean over heads of kept fractions (Appendix F.1); with equal lengths the two
     coincide.
 
+    ``row_mass`` (S9 global): what each head's proposal weighs against the others. Each row is a
+    distribution over its own entries; with ``row_mass`` the pooled scale applies to
+    ``m_h pi_hi`` (``m_h`` the head's share of attention on its sampled entries), so heads are
+    compared on the score's own scale. Without it every head weighs 1.
+
     Args:
         pis: ``[..., t]`` proposal or a list of such tensors (one per layer, lengths may differ).
         ratio: compression ratio ``r`` in ``[0, 1)``.
         always_kept: as in ``sample_size.samples_for_ratio_global`` (int, tensor, or one per
             tensor).
+        row_mass: optional, one ``pi.shape[:-1]`` tensor per tensor, ``>= 0`` (see above).
 
     Returns:
         float64 tensors shaped like ``pis`` (a tensor for a tensor, a list for a list).
@@ -259,6 +290,7 @@ def pps_inclusion_probabilities_global(
     r = check_ratio(ratio)
     tensors = _as_list(pis, "pis")
     kept_per_tensor = _per_tensor(always_kept, len(tensors), "always_kept")
+    masses = row_masses(row_mass, tensors)
     probs, budget, forced = [], 0.0, 0
     for i, (x, a) in enumerate(zip(tensors, kept_per_tensor, strict=True)):
         p = _probabilities(x, f"pis[{i}]")
@@ -266,10 +298,11 @@ def pps_inclusion_probabilities_global(
         budget += (1.0 - r) * p.shape[-1] * math.prod(p.shape[:-1])
         forced += int(_always_kept(a, p, f"always_kept[{i}]").sum())
     sampled = max(budget - forced, 0.0)
-    flat = torch.cat([p.reshape(1, -1).to(probs[0].device) for p in probs], -1)
+    weighed = [p if m is None else p * m.to(p.device).unsqueeze(-1) for p, m in zip(probs, masses)]
+    flat = torch.cat([p.reshape(1, -1).to(probs[0].device) for p in weighed], -1)
     num, den = _pps_scale(flat, torch.tensor([sampled], dtype=torch.float64, device=flat.device))
     out = []
-    for p in probs:  # the one (num, den) broadcast over every row of every tensor
+    for p in weighed:  # the one (num, den) broadcast over every row of every tensor
         ones = [1] * (p.ndim - 1)
         out.append(_capped(p, num.to(p.device).reshape(ones), den.to(p.device).reshape(ones)))
     return out[0] if isinstance(pis, torch.Tensor) else out

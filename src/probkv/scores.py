@@ -143,6 +143,12 @@ class ScoreSpec:
     ``last_rows``: how many of the last query rows the function reads (an int, or the name of
     the parameter that sets it); every other row reaches it only through ``column_sums``. A
     prefill seen in chunks keeps just these rows (``probkv.observation.PrefillStatistics``).
+    ``budget_scope``: the scope of ``prob:<score>``'s budget by default, ``"head"`` (each KV
+    head keeps 1 - r) or ``"global"`` (heads of all layers compete on the score's scale, S9;
+    KVzip's own design, so its scores' default); ``"global"`` needs ``attention_scale``.
+    ``prob_core``: the deterministic core of ``prob:<score>``'s pps by default (S10.2), from
+    probkv's measurements (docs/evaluation.md): 0.5 for ``kvzip``, whose top entries are the
+    ones later questions need; 0 (pure pps) for the others.
     """
 
     function: Callable[..., Scores]
@@ -152,6 +158,8 @@ class ScoreSpec:
     attention_scale: bool = False
     source: Literal["prefill", "reconstruction"] = "prefill"
     last_rows: int | str = 1
+    budget_scope: Literal["head", "global"] = "head"
+    prob_core: float = 0.0
 
     def __post_init__(self) -> None:
         # A row that cannot be called as declared fails at import, not at the first prefill.
@@ -162,6 +170,13 @@ class ScoreSpec:
         if (self.column_sums is None) == ("column_sums" in self.inputs):
             raise ValueError(f"{self.function.__name__}: column_sums and inputs disagree")
         check_choice(self.source, SCORE_SOURCES, "source")
+        check_choice(self.budget_scope, ("head", "global"), "budget_scope")
+        if self.budget_scope == "global" and not self.attention_scale:
+            raise ValueError(
+                f"{self.function.__name__}: budget_scope 'global' needs attention_scale"
+            )
+        if not 0.0 <= self.prob_core <= 1.0:
+            raise ValueError(f"{self.function.__name__}: prob_core must be in [0, 1]")
         if isinstance(self.last_rows, str):
             check_choice(self.last_rows, self.params, "last_rows")
         else:
@@ -231,6 +246,8 @@ SCORE_TABLE: dict[str, ScoreSpec] = {
         {"sinks": _SINKS, "chunk_tokens": _CHUNK_TOKENS},
         attention_scale=True,
         source="reconstruction",
+        budget_scope="global",
+        prob_core=0.5,
     ),
     "h2o-rec": ScoreSpec(
         h2o_reconstruction,
@@ -281,6 +298,16 @@ def needs_reconstruction(name: str) -> bool:
 def on_attention_scale(name: str) -> bool:
     """Whether score ``name``'s log-scores are logs of attention probabilities (S2, S6)."""
     return score_spec(name).attention_scale
+
+
+def budget_scope(name: str) -> Literal["head", "global"]:
+    """The default budget scope of ``prob:<name>`` (``ScoreSpec.budget_scope``)."""
+    return score_spec(name).budget_scope
+
+
+def prob_core(name: str) -> float:
+    """The default core of ``prob:<name>`` with pps (``ScoreSpec.prob_core``, S10.2)."""
+    return score_spec(name).prob_core
 
 
 def default_params(name: str) -> dict[str, object]:

@@ -20,7 +20,7 @@ from typing import ClassVar
 
 import torch
 
-from probkv import budgets, designs, estimator, proposals, sample_size, sampling
+from probkv import budgets, designs, estimator, proposals, sample_size, sampling, scores
 from probkv._checks import check_choice, check_tau
 from probkv.policies.base import (
     EvictionPolicy,
@@ -48,7 +48,12 @@ class ProbabilisticPolicy(EvictionPolicy):
     """Importance-sampled eviction from the proposal named by ``score``.
 
     - ``scope``: ``"head"`` (every KV head keeps 1 - r of its entries in expectation) or
-      ``"global"`` (one number of samples / one pps scale for all heads of all layers, S3).
+      ``"global"`` (one number of samples / one pps scale for all heads of all layers, S3, S9);
+      default: the score's ``budget_scope`` (``"global"`` for ``kvzip``, ``"head"`` else).
+      With pps, global heads compete on the score's own scale: scores on the attention scale
+      weigh each head's proposal by its attention mass ``m_h`` (``P = min(1, lam m_h pi)``, pps
+      over the raw scores at ``proposal_tau = 1``) and the global core is the top of the raw
+      scores (``core=1`` is then KVzip's global top-k); the others weigh every head the same.
     - ``sampler``: ``"with_replacement"`` (the paper: m draws, keep the distinct ones) or
       ``"pps"`` (S9: fixed size without replacement, exact budget per head).
     - ``weights`` (with-replacement sampler): ``"counts"`` (Eq. 10, the paper) or
@@ -61,8 +66,9 @@ class ProbabilisticPolicy(EvictionPolicy):
     - ``seed``: same seed, same kept set.
     - ``pool``: max-pool the log-scores over positions with this odd kernel before they become
       the proposal (S10; 1 = none), so a needle's neighbours share its score.
-    - Span-preserving pps designs (S10.2-S10.4; ``sampler="pps"`` only; the defaults are S9's
-      pps): ``core`` = f in [0, 1], per head the ``floor(f b)`` entries of largest proposal
+    - Span-preserving pps designs (S10.2-S10.4; ``sampler="pps"`` only; defaults: blocks of 8
+      in random order, and the score's ``prob_core``, 0.5 for ``kvzip`` and 0 for the others,
+      from docs/evaluation.md): ``core`` = f in [0, 1], per head the ``floor(f b)`` entries of largest proposal
       (``b`` = budget after forced entries; ties by the score, then the later position) are
       kept with weight 1 and the rest of the budget is pps over the other entries (``core=1``
       is the top-k method of ``score``); ``block`` = entries per sampling unit (runs of
@@ -87,7 +93,7 @@ class ProbabilisticPolicy(EvictionPolicy):
     """
 
     score: str = "snapkv"
-    scope: str = "head"
+    scope: str | None = None  # None: the score's budget_scope ("global" for kvzip)
     sampler: str = "pps"
     weights: str = "inclusion"
     tau: float = 1.0
@@ -96,17 +102,19 @@ class ProbabilisticPolicy(EvictionPolicy):
     uniform_mix: float = 1.0
     recent: float = 0.0
     seed: int = 0
-    core: float = 0.0
+    core: float | None = None  # None: the score's prob_core for sampler="pps", 0 otherwise
     block: int | None = None  # None: PPS_BLOCK for sampler="pps", 1 otherwise
     order: str | None = None  # None: PPS_ORDER for sampler="pps", "position" otherwise
     pool: int = 1
 
-    # Fields whose defaults depend on these (block, order on the sampler): method names
+    # Fields whose defaults depend on these (core, block, order on the sampler): method names
     # compare them with the defaults of a policy with the same sampler.
     DEFAULTS_DEPEND_ON: ClassVar[tuple[str, ...]] = ("sampler",)
 
     def __post_init__(self) -> None:
         validate_common(self)
+        if self.scope is None:
+            object.__setattr__(self, "scope", scores.budget_scope(self.score))
         check_choice(self.scope, SCOPES, "scope")
         check_choice(self.sampler, SAMPLERS, "sampler")
         check_choice(self.weights, WEIGHTS, "weights")
@@ -127,6 +135,8 @@ class ProbabilisticPolicy(EvictionPolicy):
     def _check_span_options(self) -> None:
         """S10: ``core``, ``block``, ``order`` (pps designs) and ``pool``."""
         pps = self.sampler == "pps"
+        if self.core is None:
+            object.__setattr__(self, "core", scores.prob_core(self.score) if pps else 0.0)
         if self.block is None:
             object.__setattr__(self, "block", PPS_BLOCK if pps else 1)
         if self.order is None:
@@ -187,8 +197,11 @@ class ProbabilisticPolicy(EvictionPolicy):
         rows = [pi.sum(-1) > 0 for pi in pis]
         live = [i for i, r in enumerate(rows) if bool(r.any())]
         draw = self._draw_pps if self.sampler == "pps" else self._draw_with_replacement
-        if self._span_design:  # S10.2-S10.4; the core ranks by the (pooled) scores
-            keys = [self.pooled_scores(observations[i])[rows[i]].double() for i in live]
+        # The core ranks by the (pooled) scores; scope "global" compares heads on the score's
+        # own scale (S9): raw log-scores where they are attention, per head log-softmax else.
+        rank = self._global_keys if self.scope == "global" else self.pooled_scores
+        keys = [rank(observations[i])[rows[i]].double() for i in live]
+        if self._span_design:  # S10.2-S10.4
             draw = functools.partial(self._draw_span, keys)
         drawn = []
         if live:
@@ -197,6 +210,7 @@ class ProbabilisticPolicy(EvictionPolicy):
                 [_forced_counts(observations[i])[rows[i]] for i in live],
                 [budgets.uniform_budget(observations[i].length, self.ratio) for i in live],
                 generator,
+                masses=self._head_masses(keys),
             )
         kept = [torch.zeros(pi.shape, dtype=torch.bool, device=pi.device) for pi in pis]
         logw = [torch.zeros(pi.shape, dtype=torch.float32, device=pi.device) for pi in pis]
@@ -209,6 +223,27 @@ class ProbabilisticPolicy(EvictionPolicy):
             for obs, k, w in zip(observations, kept, logw)
         ]
 
+    def _global_keys(self, obs: LayerObservation) -> torch.Tensor:
+        """``[Hkv, t]`` float64 keys comparable across heads (S9 global): the pooled log-scores
+        as they are for scores on the attention scale (Ada-KV and KVzip compare raw attention),
+        each head's log-softmax over its non-forced entries otherwise; ``-inf`` where forced."""
+        keys = self.pooled_scores(obs).double()
+        if obs.forced is not None:
+            keys = keys.masked_fill(obs.forced, -math.inf)
+        if not scores.on_attention_scale(self.score):
+            keys = torch.log_softmax(keys, -1)
+        return keys
+
+    def _head_masses(self, keys: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """S9 global: each head's weight ``m_h = sum_i exp(key_hi / proposal_tau)`` against the
+        others (relative to the largest, so it cannot overflow); ``None`` (all 1) for head
+        scope and for scores not on the attention scale, whose heads weigh the same."""
+        if self.scope != "global" or not scores.on_attention_scale(self.score):
+            return None
+        logm = [proposals.log_mass(k, tau=self.proposal_tau) for k in keys]
+        top = torch.cat([x.reshape(-1).cpu() for x in logm]).max()
+        return [torch.exp(x - top.to(x.device)) for x in logm]
+
     def _with_forced(self, obs: LayerObservation) -> LayerObservation:
         """Add the recent window to the forced entries and fit them into the budget (S6)."""
         budget = budgets.uniform_budget(obs.length, self.ratio)
@@ -216,7 +251,7 @@ class ProbabilisticPolicy(EvictionPolicy):
         full = torch.full((obs.num_heads,), budget, dtype=torch.int64, device=obs.log_scores.device)
         return dataclasses.replace(obs, forced=fit_forced(obs.forced, full))
 
-    def _draw_with_replacement(self, pis, forced, head_budgets, generator):
+    def _draw_with_replacement(self, pis, forced, head_budgets, generator, masses=None):
         """S3: m draws per head (or one m for all, global scope); keep the drawn entries."""
         if self.scope == "global":
             m = sample_size.samples_for_ratio_global(pis, self.ratio, always_kept=forced)
@@ -238,11 +273,11 @@ class ProbabilisticPolicy(EvictionPolicy):
             out.append((kept, logw))
         return out
 
-    def _draw_pps(self, pis, forced, head_budgets, generator):
+    def _draw_pps(self, pis, forced, head_budgets, generator, masses=None):
         """S9: exactly the budget per head (one pps scale for all heads, global scope)."""
         if self.scope == "global":
             inclusion = sampling.pps_inclusion_probabilities_global(
-                pis, self.ratio, always_kept=forced
+                pis, self.ratio, always_kept=forced, row_mass=masses
             )
         else:
             inclusion = [
@@ -258,15 +293,17 @@ class ProbabilisticPolicy(EvictionPolicy):
             out.append((kept, logw))
         return out
 
-    def _draw_span(self, keys, pis, forced, head_budgets, generator):
+    def _draw_span(self, keys, pis, forced, head_budgets, generator, masses=None):
         """S10.2-S10.4: a deterministic core, then pps over blocks visited in ``order``;
         weights 1 on the core, ``1 / P`` of the entry's block elsewhere."""
         if self.scope == "global":
             total = designs.global_budget(pis, self.ratio, forced)
             eligible = [pi > 0 for pi in pis]
-            cores = designs.top_entries_global(pis, designs.core_size(self.core, total), eligible)
+            cores = designs.top_entries_global(keys, designs.core_size(self.core, total), eligible)
             rest = total - sum(int(c.sum()) for c in cores)
-            units = designs.block_design_global(pis, rest, self.block, outside=cores)
+            units = designs.block_design_global(
+                pis, rest, self.block, outside=cores, row_mass=masses
+            )
         else:
             cores, units = [], []
             for key, pi, f, b in zip(keys, pis, forced, head_budgets):
