@@ -219,8 +219,10 @@ class EvictingLayer(CacheLayerMixin):
             new_cap = need if self.tail_length == 0 else need + max(_TAIL_GROWTH, capacity // 8)
             if self.state is LayerState.PREFILL and self.prompt_length:
                 new_cap = max(need, self.prompt_length)
-            elif self.state is LayerState.EVICTED and self.decode_budget:  # one K block
-                new_cap = max(need, self.decode_budget.every)
+            elif self.state is LayerState.EVICTED and self.decode_budget:  # <= B + K a head
+                new_cap = max(
+                    need, min(new_cap, self.decode_budget.peak_entries - min(self.prefix.lengths))
+                )
             self._tail_keys = self._grow(self._tail_keys, key_states, new_cap)
             self._tail_values = self._grow(self._tail_values, value_states, new_cap)
         self._tail_keys[:, :, self.tail_length : need] = key_states

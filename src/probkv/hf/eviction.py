@@ -4,13 +4,13 @@
 on observed layers, then ``apply_selection`` per layer, which evicts and records the layer's
 report. A cache held to a decode budget (``probkv.hf.decode_budget``) evicts its prompt down
 to the budget here (stage 1) and starts the layer's decode statistics; its later stages go
-through ``probkv.hf.decode_budget.evict_to_budget``.
+through ``probkv.hf.decode_budget.evict_to_budget``. Layers are ``probkv.hf.cache``'s
+``EvictingLayer`` (not imported: the cache imports this module).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from probkv.budgets import retained_attention_mass
 from probkv.estimator import kish_effective_sample_size
@@ -19,13 +19,8 @@ from probkv.hf.report import LayerReport
 from probkv.policies.base import EvictionPolicy, select_layers
 from probkv.selection import RaggedSelection
 
-if TYPE_CHECKING:
-    from probkv.hf.cache import EvictingLayer
 
-
-def evict_layers(
-    policy: EvictionPolicy, layers: Sequence[EvictingLayer], *, num_layers: int
-) -> None:
+def evict_layers(policy: EvictionPolicy, layers: Sequence, *, num_layers: int) -> None:
     """Evict observed ``layers`` with ``policy``: its selections (``select_layers``, the one
     entry point the attention-error experiment uses too), applied layer by layer. With a
     decode budget, the policy keeps the budget's entries of the prompt (stage 1)."""
@@ -39,9 +34,7 @@ def evict_layers(
         apply_selection(layer, selection, policy)
 
 
-def apply_selection(
-    layer: EvictingLayer, selection: RaggedSelection, policy: EvictionPolicy
-) -> None:
+def apply_selection(layer, selection: RaggedSelection, policy: EvictionPolicy) -> None:
     """Evict ``layer`` to ``selection`` and record its diagnostics (S3 effective ratio, S6
     retained attention mass, S4 Kish effective sample size of the new weights)."""
     obs = layer.observation
