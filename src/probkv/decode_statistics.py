@@ -32,49 +32,80 @@ from dataclasses import dataclass, field
 import torch
 
 from probkv import scores
-from probkv.observation import LayerObservation, causal_offset_mask
+from probkv.observation import LayerObservation
 
 # Rates s_k = 2^k of the harmonic kernel's exponential sum (module docstring).
 HARMONIC_RATES = tuple(2.0**k for k in range(-18, 5))
 
 
+_RATES: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+# Room the accumulators grow by when the tail passes their width (amortised appends).
+_GROWTH = 16
+
+
+def _rates(device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(s_k, exp(-s_k), c_k)`` float64 on ``device``, built once."""
+    key = str(device)
+    if key not in _RATES:
+        rates = torch.tensor(HARMONIC_RATES, dtype=torch.float64, device=device)
+        _RATES[key] = (rates, torch.exp(-rates), rates * math.log(2.0))
+    return _RATES[key]
+
+
 def harmonic_kernel(distance: torch.Tensor) -> torch.Tensor:
     """``sum_k c_k exp(-s_k x)`` with ``c_k = s_k ln 2``: ``~ 1/x`` for distances ``x >= 1``."""
-    rates = torch.tensor(HARMONIC_RATES, dtype=torch.float64)
+    rates, _, coef = _rates(distance.device)
     x = distance.to(torch.float64).unsqueeze(-1)
-    return (rates * math.log(2.0) * torch.exp(-rates * x)).sum(-1)
+    return (coef * torch.exp(-rates * x)).sum(-1)
 
 
 def decode_probabilities(
-    query: torch.Tensor, keys: torch.Tensor, log_weights: torch.Tensor | None, scale: float
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    log_weights: torch.Tensor | None,
+    lengths: Sequence[int],
+    scale: float,
 ) -> torch.Tensor:
-    """One KV head's decode attention ``[g, q, n]`` (float32): the ``q`` query rows of its
-    group ``query [g, q, d]`` over its ``n`` entries ``keys [n, d]``, the newest ``q`` of which
-    are the rows themselves (causal among them); prefix logits get ``+ log w`` (S4)."""
-    logits = torch.matmul(query, keys.T).float().mul_(scale)
+    """Decode attention of every KV head ``[Hkv, g, q, n]`` (float32): the ``q`` query rows
+    ``query [Hq, q, d]`` over each head's entries ``keys [Hkv, n, d]`` (head ``h``'s first
+    ``lengths[h]``, the rest padding, zero probability), the newest ``q`` of which are the
+    rows themselves (causal among them); ``log_weights [Hkv, n]`` (zero on the tail) are added
+    to the logits (S4)."""
+    h, n, d = keys.shape
+    hq, q, _ = query.shape
+    g = hq // h
+    logits = torch.matmul(query.reshape(h, g * q, d), keys.transpose(1, 2)).float().mul_(scale)
+    logits = logits.view(h, g, q, n)
     if log_weights is not None:
-        logits[..., : log_weights.shape[0]] += log_weights
-    q, n = query.shape[1], keys.shape[0]
-    if q > 1:
-        logits.masked_fill_(~causal_offset_mask(q, n, query.device), float("-inf"))
+        logits += log_weights.view(h, 1, 1, n)
+    index = torch.arange(n, device=keys.device)
+    length = torch.tensor(list(lengths), device=keys.device).view(h, 1, 1, 1)
+    row = torch.arange(q, device=keys.device).view(1, 1, q, 1)
+    visible = index.view(1, 1, 1, n) < length - (q - 1) + row  # causal rows, no padding
+    logits.masked_fill_(~visible, float("-inf"))
     return torch.softmax(logits, dim=-1)
 
 
 @dataclass
 class DecodeStatistics:
-    """One layer's statistics over the entries it holds (module docstring).
+    """One layer's statistics over the entries it holds (module docstring), padded to the
+    longest head: entries past ``lengths[h]`` are padding (zero).
 
-    ``sums[h]``: ``[S, g, n_h]`` float64 accumulators of head ``h`` (``S = 1`` uniform rows,
-    ``len(HARMONIC_RATES)`` harmonic; empty when the score reads no column sums).
-    ``last_attention[h]``: ``[n_h]`` the latest row's group-mean attention (diagnostics).
+    ``sums``: ``[S, Hq, n]`` float64 accumulators (``S = 1`` uniform rows,
+    ``len(HARMONIC_RATES)`` harmonic, ``0`` when the score reads no column sums); before the
+    first decode rows they hold one row per KV head (``[S, Hkv, n]``, the prompt's).
+    ``last_attention``: ``[Hkv, n]`` the latest row's group-mean attention (diagnostics).
     """
 
     score: str
     score_params: dict
-    sums: list[torch.Tensor]
-    last_attention: list[torch.Tensor]
+    sums: torch.Tensor  # [S, H, capacity >= width]: zero past width
+    last_attention: torch.Tensor
+    lengths: list[int]
+    width: int  # the longest head's entries: the statistics' logical width
     queries: torch.Tensor | None = None  # [Hq, <= rows_kept, d], the latest decode rows
-    group: int = 1  # g, known from the first decode rows (the prompt's sums hold 1 row)
+    group: int = 1  # g, known from the first decode rows
     weighting: str | None = field(init=False)
     rows_kept: int = field(init=False)
 
@@ -97,72 +128,69 @@ class DecodeStatistics:
         column sums through its proposal ``exp(log_scores) [Hkv, t]`` (each of its rows counted
         as that distribution: exact for ``h2o``'s group mean, an approximation of the rows'
         harmonic weights for ``-h``), restricted to the ``kept[h]`` indices. ``value_norms
-        [Hkv, t]``: divided out of a ``min-h`` proposal (its column sums do not hold them).
-        The sums hold one row per KV head until the first decode rows give the group."""
+        [Hkv, t]``: divided out of a ``min-h`` proposal (its column sums do not hold them)."""
         t = prompt_log_scores.shape[1]
+        device = prompt_log_scores.device
         weighting = scores.column_sums_needed(score)
-        sums = []
-        for h, idx in enumerate(kept):
-            pi = torch.exp(prompt_log_scores[h].double())
-            if value_norms is not None:
-                pi = pi / value_norms[h].double().clamp_min(1e-12)
-                pi = pi / pi.sum()
-            pi = pi[idx.to(pi.device)]
-            if weighting is None:
-                sums.append(pi.new_zeros(0, 1, pi.shape[0]))
-                continue
-            if weighting == "uniform":
-                mass = torch.tensor([float(t)], dtype=torch.float64)
-            else:  # sum_{x=1..t} exp(-s x): every prompt row weighed by its distance
-                rates = torch.tensor(HARMONIC_RATES, dtype=torch.float64)
-                decay = torch.exp(-rates)
-                mass = decay * (1 - decay**t) / (1 - decay)
-            mass = mass.to(pi.device)
-            sums.append(mass.view(-1, 1, 1) * pi.view(1, 1, -1))
-        device = last_query_attention.device
-        last = [last_query_attention[h][idx.to(device)] for h, idx in enumerate(kept)]
-        return cls(score, dict(score_params), sums, last)
+        pi = torch.exp(prompt_log_scores.double())
+        if value_norms is not None:
+            pi = pi / value_norms.to(device).double().clamp_min(1e-12)
+            pi = pi / pi.sum(-1, keepdim=True)
+        if weighting is None:
+            mass = torch.zeros(0, dtype=torch.float64, device=device)
+        elif weighting == "uniform":
+            mass = torch.tensor([float(t)], dtype=torch.float64, device=device)
+        else:  # sum_{x=1..t} exp(-s x): every prompt row weighed by its distance
+            decay = _rates(device)[1]
+            mass = decay * (1 - decay**t) / (1 - decay)
+        lengths = [int(idx.numel()) for idx in kept]
+        index, valid = _padded(kept, device)
+        sums = mass.view(-1, 1, 1) * (pi.gather(1, index) * valid).unsqueeze(0)
+        last = last_query_attention.float().gather(1, index.to(last_query_attention.device))
+        return cls(score, dict(score_params), sums, last * valid.float(), lengths, max(lengths))
 
-    @property
-    def lengths(self) -> list[int]:
-        return [int(a.shape[0]) for a in self.last_attention]
-
-    def observe(self, probs: Sequence[torch.Tensor], query: torch.Tensor) -> None:
-        """A forward's ``q`` rows: ``probs[h] [g, q, n_h]`` over head ``h``'s entries now (its
-        last ``q`` or more are new), ``query [Hq, q, d]``."""
-        q = query.shape[1]
-        self.group = query.shape[0] // len(probs)
-        for h, p in enumerate(probs):
-            p = p.double()
-            new = p.shape[-1] - self.last_attention[h].shape[0]
-            if new < 0:
-                raise ValueError(f"head {h}: {p.shape[-1]} entries, fewer than the statistics'")
-            self.last_attention[h] = p[:, -1].float().mean(0)
-            if self.weighting is None:
-                continue
-            acc = torch.nn.functional.pad(self.sums[h], (0, new))
-            if acc.shape[1] != self.group:  # the prompt's rows, the same for the group
-                acc = acc.expand(-1, self.group, -1).clone()
+    def observe(self, probs: torch.Tensor, query: torch.Tensor) -> None:
+        """A forward's ``q`` rows: ``probs [Hkv, g, q, n]`` over the entries held now
+        (``decode_probabilities``; every head holds ``q`` entries more), ``query [Hq, q, d]``."""
+        h, g, q, n = probs.shape
+        self.group = g
+        if n < self.width:
+            raise ValueError(f"{n} entries, fewer than the statistics' {self.width}")
+        self.last_attention = probs[:, :, -1].mean(1)
+        self.lengths = [length + q for length in self.lengths]
+        self.width = n
+        if self.weighting is not None:
+            if self.sums.shape[1] != h * g:  # the prompt's rows, the same for the whole group
+                self.sums = self.sums.repeat_interleave(g, dim=1)
+            if self.sums.shape[2] < n:
+                self.sums = torch.nn.functional.pad(
+                    self.sums, (0, n + _GROWTH - self.sums.shape[2])
+                )
+            acc = self.sums[:, :, :n]  # a view: updated in place
+            p = probs.reshape(h * g, q, n).double()
             if self.weighting == "uniform":
                 acc[0] += p.sum(1)
             else:  # row r of q is at distance q - r at the end of this forward
-                rates = torch.tensor(HARMONIC_RATES, dtype=torch.float64, device=p.device)
-                dist = torch.arange(q, 0, -1, dtype=torch.float64, device=p.device)
-                row_decay = torch.exp(-rates.view(-1, 1) * dist)  # [S, q]
-                acc = acc * torch.exp(-rates * q).view(-1, 1, 1)
-                acc += torch.einsum("sr,grn->sgn", row_decay, p)
-            self.sums[h] = acc
+                rates, decay, _ = _rates(p.device)
+                acc *= (decay**q).view(-1, 1, 1)
+                if q == 1:
+                    acc += decay.view(-1, 1, 1) * p[:, 0].unsqueeze(0)
+                else:
+                    dist = torch.arange(q, 0, -1, dtype=torch.float64, device=p.device)
+                    acc += torch.einsum("sr,hrn->shn", torch.exp(-rates.view(-1, 1) * dist), p)
         rows = query if self.queries is None else torch.cat([self.queries, query], 1)
         self.queries = rows[:, -self.rows_kept :].clone()
 
-    def column_sums(self, h: int) -> torch.Tensor | None:
-        """``[g, n_h]`` float32 weighted column sums of head ``h`` (``None``: not needed)."""
+    def column_sums(self, heads: Sequence[int], n: int) -> torch.Tensor | None:
+        """``[len(heads) g, n]`` float32 weighted column sums of ``heads`` (``None``: not
+        needed), their first ``n`` entries."""
         if self.weighting is None:
             return None
-        acc = self.sums[h]
+        g = self.group
+        rows = torch.cat([torch.arange(h * g, (h + 1) * g) for h in heads]).to(self.sums.device)
+        acc = self.sums[:, rows, :n]
         if self.weighting == "harmonic":
-            coef = torch.tensor(HARMONIC_RATES, dtype=torch.float64, device=acc.device)
-            acc = (coef * math.log(2.0)).view(-1, 1, 1) * acc
+            acc = _rates(acc.device)[2].view(-1, 1, 1) * acc
         return acc.sum(0).float()
 
     def observation(
@@ -188,24 +216,43 @@ class DecodeStatistics:
             query[:, n - rows.shape[1] :] = rows
             if "window" in params:
                 params["window"] = min(params["window"], rows.shape[1])
-        sums = None
-        if self.weighting is not None:
-            sums = torch.cat([self.column_sums(h) for h in heads])
         result = scores.compute_scores(
-            self.score, query, keys, values, scale=scale, column_sums=sums, **params
+            self.score,
+            query,
+            keys,
+            values,
+            scale=scale,
+            column_sums=self.column_sums(heads, n),
+            **params,
         )
-        last = torch.stack([self.last_attention[h] for h in heads])
         return LayerObservation(
             layer_idx=layer_idx,
             rank=rank,
             log_scores=result.log_scores,
             forced=result.forced,
-            last_query_attention=last,
+            last_query_attention=self.last_attention[list(heads), :n],
         )
 
     def keep(self, kept: Sequence[torch.Tensor]) -> None:
         """After a stage: ``kept[h]`` indices of head ``h``'s entries survive."""
-        for h, idx in enumerate(kept):
-            self.last_attention[h] = self.last_attention[h][idx.to(self.last_attention[h].device)]
-            if self.weighting is not None:
-                self.sums[h] = self.sums[h][..., idx.to(self.sums[h].device)]
+        device = self.last_attention.device
+        index, valid = _padded(kept, device)
+        self.last_attention = self.last_attention.gather(1, index) * valid.float()
+        if self.weighting is not None:
+            g = self.sums.shape[1] // len(kept)
+            rows = index.repeat_interleave(g, dim=0)
+            valid_rows = valid.repeat_interleave(g, dim=0)
+            self.sums = self.sums.gather(2, rows.expand(self.sums.shape[0], -1, -1)) * valid_rows
+        self.lengths = [int(idx.numel()) for idx in kept]
+        self.width = max(self.lengths, default=0)
+
+
+def _padded(kept: Sequence[torch.Tensor], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[Hkv, n_max]`` gather indices (0 on padding) and the float mask of real entries."""
+    n = max((int(idx.numel()) for idx in kept), default=0)
+    index = torch.zeros(len(kept), n, dtype=torch.int64, device=device)
+    valid = torch.zeros(len(kept), n, dtype=torch.float64, device=device)
+    for h, idx in enumerate(kept):
+        index[h, : idx.numel()] = idx.to(device)
+        valid[h, : idx.numel()] = 1.0
+    return index, valid

@@ -121,17 +121,43 @@ def after_decode_attention(layer, query: torch.Tensor, scale: float) -> None:
     """A decode forward attended over ``layer`` (EVICTED; ``query [Hq, q, d]``): add its rows
     to the statistics, then evict down to the budget if a head holds ``B + K`` entries."""
     state: LayerDecodeState = layer.decode_state
-    h = layer.num_heads
-    g = query.shape[0] // h
-    probs = []
-    for i in range(h):
-        keys, _, log_weights = _head_entries(layer, i)
-        probs.append(decode_probabilities(query[i * g : (i + 1) * g], keys, log_weights, scale))
+    keys, log_weights, lengths = padded_entries(layer)
+    probs = decode_probabilities(query, keys, log_weights, lengths, scale)
     state.statistics.observe(probs, query)
     record_peak(layer)
     budget: DecodeBudget = layer.decode_budget
-    if layer.physical_length() >= budget.max_entries + budget.every:
+    if max(lengths) >= budget.peak_entries:
         evict_to_budget(layer, scale)
+
+
+def padded_entries(layer):
+    """Every head's entries now (prefix, then tail) padded to the longest: keys ``[Hkv, n,
+    d]``, prefix log-weights ``[Hkv, n]`` (zero on the tail; ``None`` without weights) and
+    the heads' lengths. A uniform prefix needs no copy per head."""
+    prefix = layer.prefix
+    h = layer.num_heads
+    tail_k = layer.tail_keys[0]
+    t = tail_k.shape[1]
+    lengths = [n + t for n in prefix.lengths]
+    if prefix.uniform_length:
+        length = prefix.lengths[0]
+        keys = torch.cat([prefix.keys.view(h, length, -1), tail_k], dim=1)
+        log_weights = None
+        if prefix.log_weights is not None:
+            log_weights = torch.nn.functional.pad(prefix.log_weights.view(h, length), (0, t))
+        return keys, log_weights, lengths
+    n = max(lengths)
+    keys = tail_k.new_zeros(h, n, tail_k.shape[2])
+    log_weights = None
+    if prefix.log_weights is not None:
+        log_weights = torch.zeros(h, n, device=tail_k.device)
+    for i in range(h):
+        k, _, lw = prefix.head(i)
+        keys[i, : k.shape[0]] = k
+        keys[i, k.shape[0] : lengths[i]] = tail_k[i]
+        if lw is not None:
+            log_weights[i, : lw.shape[0]] = lw
+    return keys, log_weights, lengths
 
 
 def record_peak(layer) -> None:
@@ -142,7 +168,7 @@ def record_peak(layer) -> None:
 
 
 def _head_entries(layer, h: int):
-    """Head ``h``'s entries now (prefix, then tail); log-weights of the prefix only."""
+    """Head ``h``'s entries now (prefix, then tail) and its prefix log-weights."""
     tail_k = layer.tail_keys[0, h]
     tail_v = layer.tail_values[0, h]
     k, v, lw = layer.prefix.head(h)
