@@ -35,7 +35,7 @@ from probkv import scores
 from probkv.observation import LayerObservation
 
 # Rates s_k = 2^k of the harmonic kernel's exponential sum (module docstring).
-HARMONIC_RATES = tuple(2.0**k for k in range(-18, 5))
+HARMONIC_RATES = tuple(2.0**k for k in range(-24, 5))
 
 
 _RATES: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
