@@ -190,3 +190,22 @@ def test_block_designs_are_capped_at_the_block_of_k():
     assert DecodeBudget(8, every=4).prompt_policy(policy, 20).block == 4
     assert DecodeBudget(8, every=16).prompt_policy(policy, 20).block == policy.block
     assert dataclasses.replace(policy, ratio=0.6) == DecodeBudget(8, 16).prompt_policy(policy, 20)
+
+
+def test_generate_holds_the_budget(model):
+    """probkv.hf.compress with a decode budget, then generate(): greedy tokens come out and
+    no head ever held more than B + K entries; transformers' own generate() too."""
+    from probkv.hf import compress, generate
+
+    ids = _ids(30)
+    cache = compress(model, ids, parse_method("prob:h2o-h"), max_entries=12, every=4)
+    out = generate(model, cache, _ids(3, seed=5), max_new_tokens=25)
+    assert out.numel() == 25
+    for layer in _layers(cache):
+        assert layer.decode_state.peak_entries <= 16
+        assert layer.decode_state.stages >= 5
+    cache = ProbKVCache(model.config, parse_method("tova"), max_entries=8, every=1)
+    with torch.no_grad():
+        out = model.generate(ids, cache=cache, max_new_tokens=12, do_sample=False)
+    assert out.shape[1] == 42
+    assert all(layer.decode_state.peak_entries <= 9 for layer in _layers(cache))

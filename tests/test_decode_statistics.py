@@ -67,9 +67,7 @@ def test_online_column_sums_equal_the_weighted_sum_of_rows(score):
     total_rows = sum(steps)
     weight = (lambda x: torch.ones_like(x)) if score == "h2o" else harmonic_kernel
     expected = torch.zeros(hkv * g, held, dtype=torch.float64)
-    j = 0
-    for _, _, _, p in rows:
-        j += 1
+    for j, (_, _, _, p) in enumerate(rows, start=1):
         distance = torch.tensor([float(total_rows - j + 1)])
         expected[:, : p.shape[1]] += weight(distance).double() * p.double()
     # the prompt's rows: its proposal times their total weight
