@@ -33,22 +33,29 @@ FULL = "full"
 
 @dataclass(frozen=True)
 class LongDecodeConfig:
-    """``prompt_tokens`` (P), ``tokens`` (N), ``budget`` (B), ``every`` (K), ``methods``
+    """``prompt_tokens`` (P), ``tokens`` (N), ``budget`` (B: one, or a tuple of budgets, each
+    run with every method against one full-cache run), ``every`` (K), ``methods``
     (registry names; ``full`` is always run first), ``seeds`` per sampled method,
-    ``error_steps``: decode steps (0-based) whose attention error is recorded (default:
-    four, evenly spread over the run)."""
+    ``error_steps``: decode forwards (0-based, ``N - 1`` of them) whose attention error is
+    recorded (default: four, evenly spread over the run)."""
 
     prompt_tokens: int
     tokens: int
-    budget: int
+    budget: int | tuple[int, ...]
     every: int = 16
     methods: tuple[str, ...] = ("streaming_llm", "h2o", "tova", "prob:h2o-h")
     seeds: int = 1
     error_steps: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("prompt_tokens", "tokens", "budget", "every", "seeds"):
+        for name in ("prompt_tokens", "tokens", "every", "seeds"):
             check_positive_int(getattr(self, name), name)
+        budgets = (self.budget,) if isinstance(self.budget, int) else tuple(self.budget)
+        if not budgets:
+            raise ValueError("budget is empty; give at least one budget, e.g. 256")
+        for b in budgets:
+            check_positive_int(b, "budget")
+        object.__setattr__(self, "budget", budgets[0] if len(budgets) == 1 else budgets)
         if not self.methods:
             raise ValueError("methods is empty; give at least one method name, e.g. h2o")
         for m in self.methods:
@@ -56,11 +63,19 @@ class LongDecodeConfig:
                 parse_method(m)  # unknown names fail before any work
         steps = self.error_steps
         if steps is None:
-            steps = tuple(sorted({(self.tokens - 1) * i // 3 for i in range(4)}))
-        bad = [s for s in steps if not 0 <= s < self.tokens]
+            last = self.tokens - 2
+            steps = tuple(sorted({last * i // 3 for i in range(4)})) if last >= 0 else ()
+        # N tokens: the prompt's forward predicts the first, N - 1 decode forwards the rest
+        bad = [s for s in steps if not 0 <= s < self.tokens - 1]
         if bad:
-            raise ValueError(f"error_steps {bad} are outside the {self.tokens} decode steps")
+            raise ValueError(
+                f"error_steps {bad} are outside the {self.tokens - 1} decode forwards (0-based)"
+            )
         object.__setattr__(self, "error_steps", tuple(steps))
+
+    @property
+    def budgets(self) -> tuple[int, ...]:
+        return (self.budget,) if isinstance(self.budget, int) else self.budget
 
 
 def prose_text(words: int, seed: int = 0) -> str:
@@ -79,28 +94,32 @@ def text_token_ids(tokenizer, text: str, count: int) -> torch.Tensor:
     return ids[:, :count]
 
 
-def _policies(config: LongDecodeConfig) -> list[tuple[str, object, int | None]]:
-    """``(name, policy, seed)`` per run: ``full``, then each method (sampled ones per seed)."""
-    runs: list[tuple[str, object, int | None]] = [(FULL, None, None)]
-    for m in config.methods:
-        if m == FULL:
-            continue
-        policy = parse_method(m)
-        name = method_name(policy)
-        if hasattr(policy, "seed"):
-            for s in range(config.seeds):
-                runs.append((name, dataclasses.replace(policy, seed=policy.seed + s), s))
-        else:
-            runs.append((name, policy, None))
+def _policies(config: LongDecodeConfig) -> list[tuple[str, object, int | None, int | None]]:
+    """``(name, policy, seed, budget)`` per run: ``full``, then per budget each method
+    (sampled ones once per seed)."""
+    runs: list[tuple[str, object, int | None, int | None]] = [(FULL, None, None, None)]
+    for budget in config.budgets:
+        for m in config.methods:
+            if m == FULL:
+                continue
+            policy = parse_method(m)
+            name = method_name(policy)
+            if hasattr(policy, "seed"):
+                for s in range(config.seeds):
+                    seeded = dataclasses.replace(policy, seed=policy.seed + s)
+                    runs.append((name, seeded, s, budget))
+            else:
+                runs.append((name, policy, None, budget))
     return runs
 
 
 @torch.no_grad()
 def run_one(
-    model, ids: torch.Tensor, policy, config: LongDecodeConfig
+    model, ids: torch.Tensor, policy, config: LongDecodeConfig, budget: int | None = None
 ) -> tuple[dict, dict[int, dict[int, torch.Tensor]]]:
     """One teacher-forced run (module docstring): its row (without ``method``/``nll_full``)
-    and the attention outputs ``{step: {layer: [Hq, 1, d_v]}}`` at ``config.error_steps``."""
+    and the attention outputs ``{step: {layer: [Hq, 1, d_v]}}`` at ``config.error_steps``.
+    ``budget``: default the config's first."""
     from probkv.policies.registry import FullCache
 
     p, n = config.prompt_tokens, config.tokens
@@ -108,7 +127,11 @@ def run_one(
         cache = ProbKVCache(model.config, FullCache(), prompt_length=p)
     else:
         cache = ProbKVCache(
-            model.config, policy, prompt_length=p, max_entries=config.budget, every=config.every
+            model.config,
+            policy,
+            prompt_length=p,
+            max_entries=config.budgets[0] if budget is None else budget,
+            every=config.every,
         )
     logits = model(input_ids=ids[:, :p], cache=cache, use_cache=True).logits[0, -1]
     nll = [_nll(logits, ids[0, p])]
@@ -179,8 +202,8 @@ def long_decode(model, ids: torch.Tensor, config: LongDecodeConfig, *, progress=
     rows: list[dict] = []
     reference = None
     full_row = None
-    for name, policy, seed in _policies(config):
-        row, outputs = run_one(model, ids, policy, config)
+    for name, policy, seed, budget in _policies(config):
+        row, outputs = run_one(model, ids, policy, config, budget)
         if policy is None:
             reference, full_row = outputs, row
         row = {
@@ -188,7 +211,7 @@ def long_decode(model, ids: torch.Tensor, config: LongDecodeConfig, *, progress=
             "seed": seed,
             "prompt_tokens": config.prompt_tokens,
             "tokens": config.tokens,
-            "budget": None if policy is None else config.budget,
+            "budget": budget,
             "every": None if policy is None else config.every,
             **row,
             "nll_full": full_row["nll"],
@@ -203,14 +226,15 @@ def long_decode(model, ids: torch.Tensor, config: LongDecodeConfig, *, progress=
 
 
 def summarise(rows: Sequence[dict]) -> list[dict]:
-    """One row per method: means over seeds of ``nll_gap``, ``tokens_per_s`` ratio, the
-    largest peak entries per head."""
-    out: dict[str, dict] = {}
+    """One row per method and budget: means over seeds of ``nll_gap``, ``tokens_per_s``
+    ratio, the largest peak entries per head."""
+    out: dict[tuple, dict] = {}
     for row in rows:
-        acc = out.setdefault(row["method"], {"method": row["method"], "runs": []})
+        key = (row["method"], row["budget"])
+        acc = out.setdefault(key, {"method": row["method"], "runs": []})
         acc["runs"].append(row)
     table = []
-    for method, acc in out.items():
+    for (method, _), acc in out.items():
         runs = acc["runs"]
         table.append(
             {

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from probkv.cli_args import comma_list, positive_int
+from probkv.cli_args import comma_list, length_list, positive_int
 
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
@@ -37,7 +37,12 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--prompt-tokens", type=positive_int, required=True)
     parser.add_argument("--tokens", type=positive_int, required=True)
-    parser.add_argument("--budget", type=positive_int, required=True)
+    parser.add_argument(
+        "--budget",
+        type=length_list,
+        required=True,
+        help="B, entries per KV head; several comma-separated (128,256,512) for a sweep",
+    )
     parser.add_argument("--every", type=positive_int, default=16, help="K (default 16)")
     parser.add_argument(
         "--methods",
@@ -78,7 +83,7 @@ def run_long_decode(args: argparse.Namespace) -> int:
     config = LongDecodeConfig(
         prompt_tokens=args.prompt_tokens,
         tokens=args.tokens,
-        budget=args.budget,
+        budget=tuple(args.budget),
         every=args.every,
         methods=tuple(args.methods),
         seeds=args.seeds,
@@ -90,7 +95,7 @@ def run_long_decode(args: argparse.Namespace) -> int:
 
     def progress(row: dict) -> None:
         print(
-            f"{row['method']:<28} seed={row['seed']!s:<4} nll={row['nll']:.4f} "
+            f"{row['method']:<28} B={row['budget']!s:<5} seed={row['seed']!s:<4} nll={row['nll']:.4f} "
             f"gap={row['nll_gap']:+.4f} peak/head={row['peak_entries_per_head']} "
             f"{row['tokens_per_s']:.1f} tok/s ({row['throughput_vs_full']:.2f}x full)",
             file=sys.stderr,
@@ -105,7 +110,7 @@ def run_long_decode(args: argparse.Namespace) -> int:
         "text": args.text,
         "prompt_tokens": args.prompt_tokens,
         "tokens": args.tokens,
-        "budget": args.budget,
+        "budget": list(config.budgets),
         "every": args.every,
         "methods": list(config.methods),
         "seeds": args.seeds,
@@ -115,7 +120,7 @@ def run_long_decode(args: argparse.Namespace) -> int:
     write_json(args.out, {"header": header, "rows": rows, "summary": summarise(rows)})
     for row in summarise(rows):
         print(
-            f"{row['method']:<28} gap {row['nll_gap']:+.4f}  peak/head "
+            f"{row['method']:<28} B={row['budget']!s:<5} gap {row['nll_gap']:+.4f}  peak/head "
             f"{row['peak_entries_per_head']}  throughput {row['throughput_vs_full']:.2f}x"
         )
     return 0
