@@ -16,7 +16,7 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-import probkv.hf.cache as cache_module
+import probkv.hf.eviction as eviction_module
 from probkv.hf import LayerState, ProbKVCache, answer, compress, prepare_model
 from probkv.policies import parse_method
 from probkv.testing import TINY_ARCHITECTURES, tiny_model
@@ -57,13 +57,13 @@ AttentionMaskInterface.register("probkv_oracle", sdpa_mask)
 
 def record_selections(monkeypatch) -> dict[int, object]:
     seen: dict[int, object] = {}
-    original = cache_module.apply_selection
+    original = eviction_module.apply_selection
 
     def recording(layer, selection, policy):
         seen[layer.layer_idx] = selection
         original(layer, selection, policy)
 
-    monkeypatch.setattr(cache_module, "apply_selection", recording)
+    monkeypatch.setattr(eviction_module, "apply_selection", recording)
     return seen
 
 

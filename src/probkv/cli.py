@@ -47,6 +47,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "probkv.cli",
     "probkv.eval.attention_error_cli",
     "probkv.eval.commands",
+    "probkv.eval.long_decode_cli",
 )
 
 DEFAULT_THREADS = 1

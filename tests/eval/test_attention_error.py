@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-import probkv.hf.cache as cache_module
+import probkv.hf.eviction as eviction_module
 from probkv import estimator
 from probkv.eval import attention_error as ae
 from probkv.eval.attention_error_cli import float_list, format_table
@@ -184,13 +184,13 @@ def test_the_experiment_keeps_what_the_integration_keeps(arch, method, request, 
     model = request.getfixturevalue(arch)
     policy = parse_method(method, ratio=0.5)
     applied: dict[int, object] = {}
-    original = cache_module.apply_selection
+    original = eviction_module.apply_selection
 
     def recording(layer, selection, policy):
         applied[layer.layer_idx] = selection
         original(layer, selection, policy)
 
-    monkeypatch.setattr(cache_module, "apply_selection", recording)
+    monkeypatch.setattr(eviction_module, "apply_selection", recording)
     compress(model, torch.tensor(CONTEXT), policy)
     by_compress = dict(applied)
     applied.clear()

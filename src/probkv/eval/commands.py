@@ -124,7 +124,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "PATH is a probkv eval --out folder (score and win score vs ratio, per-layer "
             "effective compression, target vs effective ratio table) or a probkv "
-            "attention-error JSON file (error vs ratio per estimator and tau). PNG files."
+            "attention-error JSON file (error vs ratio per estimator and tau) or a probkv "
+            "long-decode JSON file (NLL gap vs budget per method). PNG files."
         ),
     )
     pl.add_argument("path", help="eval output folder, or attention-error .json file")
@@ -240,9 +241,24 @@ def run_plot_command(args: argparse.Namespace) -> int:
             print(f"skipped {note}", file=sys.stderr)
         return 0
     if path.is_file():
+        from probkv.eval.long_decode_plot import is_long_decode, plot_long_decode_file
+
+        if path.suffix == ".json" and is_long_decode(_read_json_quietly(path)):
+            print(f"wrote {plot_long_decode_file(path, args.out)}")
+            return 0
         print(f"wrote {plot_attention_error_file(path, args.out)}")
         return 0
     raise ValueError(f"{str(path)!r} is neither an eval output folder nor a JSON file")
+
+
+def _read_json_quietly(path: Path):
+    """The JSON in ``path``, or ``None`` (the attention-error reader reports the problem)."""
+    import json
+
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
 
 
 def run_demo_command(args: argparse.Namespace) -> int:

@@ -16,7 +16,8 @@ For an evicting layer, its state (``probkv.hf.cache.LayerState``) decides:
   (``probkv.hf.reconstruction``: over the cache and the chunk, never stored);
 - ``OBSERVED`` (prefill seen, eviction pending): dense causal attention;
 - ``EVICTED``: one softmax over the ragged weighted prefix (logits ``+ log w``, S4) and the
-  dense tail of tokens added since, which carries no weight.
+  dense tail of tokens added since, which carries no weight; with a decode budget, the rows
+  then feed its statistics and may start a stage (``probkv.hf.decode_budget``, S10.5).
 
 A forward may also carry a recorder as ``probkv_capture`` (``probkv.hf.capture``): it receives
 every layer's real inputs and output, whichever path computed them.
@@ -29,6 +30,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from probkv.hf.cache import EvictingLayer, LayerState
+from probkv.hf.decode_budget import after_decode_attention
 from probkv.hf.prefill import observe_prompt_chunk
 from probkv.observation import causal_offset_mask, dense_causal_attention, last_query_attention
 from probkv.scores import needs_reconstruction
@@ -73,7 +75,10 @@ def layer_attention(
     ``[Hq, q, d]``, the layer's dense tail ``key``/``value [Hkv, n, d]`` -> ``[Hq, q, d_v]``."""
     layer.attention_done()
     if layer.state is LayerState.EVICTED:
-        return evicted_attention(layer, query, scale)
+        out = evicted_attention(layer, query, scale)
+        if layer.decode_budget is not None:  # S10.5: statistics, then a stage if due
+            after_decode_attention(layer, query, scale)
+        return out
     if layer.state is LayerState.RECONSTRUCTING:  # S10.1, probkv.hf.reconstruction
         return layer.scoring.attend(layer, query, scale)
     if layer.state is LayerState.PREFILL and needs_reconstruction(layer.policy.score):

@@ -21,15 +21,14 @@ from a reconstruction pass (KVzip, S10.1; one prompt forward) go ``PREFILL`` ->
 ``ProbKVCache`` is the ``Cache``: one ``EvictingLayer`` per global-attention layer and
 transformers' own sliding-window layers elsewhere (Gemma-3's local layers are not evicted). It
 runs the policy once every evicting layer has been observed during prefill. Every eviction goes
-through ``evict_layers``: the policy's one selection entry point
-(``probkv.policies.select_layers``), then ``apply_selection`` per layer.
+through ``probkv.hf.eviction``; with a decode budget (``max_entries``) the layers are evicted
+again during generation (``probkv.hf.decode_budget``, S10.5).
 """
 
 from __future__ import annotations
 
 import copy
 import enum
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -41,16 +40,16 @@ from transformers.cache_utils import (
 )
 
 from probkv._checks import check_positive_int
-from probkv.budgets import retained_attention_mass
-from probkv.estimator import compose_log_weights, kish_effective_sample_size
+from probkv.estimator import compose_log_weights
 from probkv.hf import guards
+from probkv.hf.decode_budget import DecodeBudget
+from probkv.hf.eviction import evict_layers
 from probkv.hf.prefix import RaggedPrefix
 from probkv.hf.report import LayerReport
 from probkv.observation import PrefillStatistics
 from probkv.policies.base import (
     EvictionPolicy,
     LayerObservation,
-    select_layers,
     validate_common,
 )
 from probkv.selection import RaggedSelection
@@ -88,6 +87,7 @@ class EvictingLayer(CacheLayerMixin):
         rank: int,
         num_evicting: int,
         prompt_length: int | None = None,
+        decode_budget: DecodeBudget | None = None,
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -111,6 +111,8 @@ class EvictingLayer(CacheLayerMixin):
         self.last_query_attention: torch.Tensor | None = None
         self.scoring = None
         self._awaiting_attention = False  # update() ran, probkv's attention not yet
+        self.decode_budget = decode_budget  # S10.5 (probkv.hf.decode_budget)
+        self.decode_state = None  # its statistics, from the prompt's eviction on
 
     # ----------------------------------------------------------------- protocol
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -165,10 +167,18 @@ class EvictingLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.__init__(self.layer_idx, self.policy, self.rank, self.num_evicting, self.prompt_length)
+        self.__init__(
+            self.layer_idx,
+            self.policy,
+            self.rank,
+            self.num_evicting,
+            self.prompt_length,
+            self.decode_budget,
+        )
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last ``-tokens_to_remove`` tokens of the tail (never the evicted prefix)."""
+        guards.check_no_decode_budget(self.decode_budget, "crop")
         if tokens_to_remove > 0 or -tokens_to_remove > self.tail_length:
             raise ValueError(
                 f"crop takes a negative count of at most the {self.tail_length} tokens added since "
@@ -209,6 +219,10 @@ class EvictingLayer(CacheLayerMixin):
             new_cap = need if self.tail_length == 0 else need + max(_TAIL_GROWTH, capacity // 8)
             if self.state is LayerState.PREFILL and self.prompt_length:
                 new_cap = max(need, self.prompt_length)
+            elif self.state is LayerState.EVICTED and self.decode_budget:  # <= B + K a head
+                new_cap = max(
+                    need, min(new_cap, self.decode_budget.peak_entries - min(self.prefix.lengths))
+                )
             self._tail_keys = self._grow(self._tail_keys, key_states, new_cap)
             self._tail_values = self._grow(self._tail_values, value_states, new_cap)
         self._tail_keys[:, :, self.tail_length : need] = key_states
@@ -397,11 +411,25 @@ class ProbKVCache(Cache):
     the next forward or on ``evict()``; with ``prompt_length``, layerwise policies evict each
     layer right after its last prefill attention (the full cache never exists at once). A
     cache holds one prompt and refuses input that does not continue it (``hf.guards``).
+    ``max_entries=B``, ``every=K``: a decode budget, at most ``B + K`` entries per KV head
+    for any length generated (the prompt evicted to ``B``, then every ``K`` new entries;
+    the budget replaces the policy's ``ratio``; ``probkv.hf.decode_budget``, S10.5).
     """
 
-    def __init__(self, config, policy: EvictionPolicy, *, prompt_length: int | None = None) -> None:
+    def __init__(
+        self,
+        config,
+        policy: EvictionPolicy,
+        *,
+        prompt_length: int | None = None,
+        max_entries: int | None = None,
+        every: int = 1,
+    ) -> None:
         if prompt_length is not None:
             check_positive_int(prompt_length, "prompt_length")
+        budget = None if max_entries is None else DecodeBudget(max_entries, every)
+        if budget is not None:
+            budget.check_policy(policy)
         text_config = config.get_text_config(decoder=True)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
         num_evicting = layer_types.count("full_attention")
@@ -409,7 +437,7 @@ class ProbKVCache(Cache):
         for i, (kind, kw) in enumerate(zip(layer_types, layer_kwargs)):
             if kind == "full_attention":
                 rank = layer_types[:i].count("full_attention")
-                layers.append(EvictingLayer(i, policy, rank, num_evicting, prompt_length))
+                layers.append(EvictingLayer(i, policy, rank, num_evicting, prompt_length, budget))
             elif kind == "sliding_attention":
                 layers.append(DynamicSlidingWindowLayer(**kw))
             else:
@@ -428,6 +456,7 @@ class ProbKVCache(Cache):
         ]
         self.num_evictions = 0
         self.prompt_length = prompt_length
+        self.decode_budget = budget
         self.layer_types = list(layer_types)  # of the config it was built for (issue 11)
         # ``[1, t]`` the token ids the cache holds, set by ``probkv.hf.compress`` / ``observe``
         # so that ``generate`` can continue with true positions; ``None`` until then.
@@ -506,6 +535,8 @@ class ProbKVCache(Cache):
         (same random draws); a global one sees every layer at once (S3 global scope).
         """
         if policy is not None:
+            if self.decode_budget is not None:
+                self.decode_budget.check_policy(policy)
             self.policy = policy
             for i in self.evicting_layers:
                 self.layers[i].policy = policy
@@ -526,6 +557,7 @@ class ProbKVCache(Cache):
     def rewind(self) -> None:
         """Drop every token added after eviction, back to the compressed state (question-
         agnostic workflow: each question starts from the same compressed context)."""
+        guards.check_no_decode_budget(self.decode_budget, "rewind")
         for layer in self.layers:
             if isinstance(layer, EvictingLayer):
                 if not layer.is_evicted:
@@ -561,40 +593,3 @@ class ProbKVCache(Cache):
         if not reports:
             return 0.0
         return sum(r.effective_ratio for r in reports) / len(reports)
-
-
-def evict_layers(
-    policy: EvictionPolicy, layers: Sequence[EvictingLayer], *, num_layers: int
-) -> None:
-    """Evict observed ``layers`` with ``policy``: its selections (``select_layers``, the one
-    entry point the attention-error experiment uses too), applied layer by layer."""
-    selections = select_layers(
-        policy, [layer.observation for layer in layers], num_layers=num_layers
-    )
-    for layer, selection in zip(layers, selections, strict=True):
-        apply_selection(layer, selection, policy)
-
-
-def apply_selection(
-    layer: EvictingLayer, selection: RaggedSelection, policy: EvictionPolicy
-) -> None:
-    """Evict ``layer`` to ``selection`` and record its diagnostics (S3 effective ratio, S6
-    retained attention mass, S4 Kish effective sample size of the new weights)."""
-    obs = layer.observation
-    t = layer.get_seq_length()
-    layer.evict(selection)
-    kept = [int(n) for n in selection.lengths]
-    mass = retained_attention_mass(obs.last_query_attention, selection)
-    ess = None
-    if selection.log_weights is not None:
-        dense = selection.dense_log_weights(t, evicted=0.0)
-        ess = kish_effective_sample_size(dense, selection.to_mask(t)).tolist()
-    layer.report = LayerReport(
-        layer_idx=layer.layer_idx,
-        prefix_length=t,
-        kept_per_head=kept,
-        target_ratio=policy.ratio,
-        effective_ratio_per_head=[1.0 - k / t for k in kept],
-        retained_attention_mass=mass.tolist(),
-        effective_sample_size=ess,
-    )

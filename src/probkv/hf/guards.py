@@ -92,3 +92,14 @@ def batch_message(key_states: torch.Tensor) -> str:
     return (
         f"probkv evicts caches of batch size 1 only; got batch size {b}. Run prompts one at a time."
     )
+
+
+def check_no_decode_budget(budget, operation: str) -> None:
+    """``crop``/``rewind`` drop tail entries that a decode budget's stages and statistics
+    (``probkv.hf.decode_budget``) already counted: refused by name."""
+    if budget is not None:
+        raise ValueError(
+            f"{operation}() is not available on a cache with a decode budget "
+            f"(max_entries={budget.max_entries}): its stages already evicted and weighted the "
+            "entries it would drop; keep a copy (cache.copy()) before generating instead"
+        )

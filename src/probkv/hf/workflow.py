@@ -46,6 +46,8 @@ def compress(
     policy: EvictionPolicy,
     *,
     repeat_prompt: RepeatPrompt | None = None,
+    max_entries: int | None = None,
+    every: int = 1,
 ) -> ProbKVCache:
     """Prefill ``context_ids`` into a new ``ProbKVCache`` and evict with ``policy``.
 
@@ -53,12 +55,16 @@ def compress(
     generation can continue from it with true positions. Scores read from a reconstruction
     pass (``kvzip``, ``h2o-rec``, ``min-rec``; S10.1) run it between prefill and eviction, with
     ``repeat_prompt`` (``probkv.hf.repeat_prompt(tokenizer)``; see ``reconstruct``).
+    ``max_entries``, ``every``: a decode budget held during the generation that follows
+    (``ProbKVCache``, ``probkv.hf.decode_budget``); the context is evicted to it.
     """
     _check_prepared(model)
     ids = as_token_ids(context_ids).to(model.device)
     # prompt_length: the prompt ends with this forward (probkv.hf.prefill), so layerwise
     # policies evict each layer during it.
-    cache = ProbKVCache(model.config, policy, prompt_length=ids.shape[1])
+    cache = ProbKVCache(
+        model.config, policy, prompt_length=ids.shape[1], max_entries=max_entries, every=every
+    )
     model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)  # no [t, vocab] logits
     if cache.awaiting_reconstruction:
         reconstruct(model, cache, ids, repeat_prompt)

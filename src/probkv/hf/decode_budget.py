@@ -1,0 +1,231 @@
+"""Holding a budget during generation: decode-time eviction in sequential stages (S10.5).
+
+``ProbKVCache(config, policy, max_entries=B, every=K)`` keeps at most ``B + K`` entries per KV
+head of every evicting layer for any number of generated tokens:
+
+- stage 1, the prompt: the policy evicts the prompt's ``t`` entries down to ``B`` (its
+  ``ratio`` is replaced by ``1 - B / t``; a prompt of at most ``B`` tokens is kept whole);
+- stages 2, 3, ...: whenever a head holds ``B + K`` entries (``B + 1`` for ``K = 1``), right
+  after the attention of the step that brought it there, the policy evicts that layer's
+  entries (kept prefix, then the tail) down to ``B``, on the statistics accumulated online
+  since (``probkv.decode_statistics``: column sums of decode rows for H2O, ``-h`` harmonic
+  weights, the latest rows for TOVA / SnapKV's window / ``min``, positions for StreamingLLM).
+
+A sampling stage multiplies the weights of what it keeps by ``1 / P`` (``EvictingLayer.evict``
+adds the log-weights), so the product over stages is an unbiased Horvitz-Thompson weight for
+the final kept set (S10.5, by the tower property); each stage draws with its own seed
+(``seed`` of the policy, the stage and the head), so the same seed gives the same kept sets. A
+top-k stage keeps weight 1 and drops the rest (S5's bias, once per stage).
+
+Refused by name: Ada-KV head budgets, PyramidKV / global layer budgets and the global scope
+(their budgets move between heads or layers, while a decode budget holds every head to
+``B``), and scores read from a reconstruction pass (KVzip, S10.1: a second model run over the
+context, which a decode step does not have).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from probkv import scores
+from probkv._checks import check_positive_int
+from probkv.decode_statistics import DecodeStatistics, decode_probabilities
+from probkv.policies.base import EvictionPolicy
+from probkv.selection import RaggedSelection
+
+# Seeds of decode stages: the policy's seed, then this many per stage and one per head.
+_STAGE_SEED_STRIDE = 1_000_003
+_HEAD_SEED_STRIDE = 7_919
+
+
+@dataclass(frozen=True)
+class DecodeBudget:
+    """``max_entries`` (``B``) kept per KV head and layer; re-evict every ``every`` (``K``)
+    new entries, so a head holds at most ``B + K`` of them (module docstring)."""
+
+    max_entries: int
+    every: int = 1
+
+    def __post_init__(self) -> None:
+        check_positive_int(self.max_entries, "max_entries")
+        check_positive_int(self.every, "every")
+
+    @property
+    def peak_entries(self) -> int:
+        """The most entries a head holds: ``B + K``, during the step that triggers a stage."""
+        return self.max_entries + self.every
+
+    def check_policy(self, policy: EvictionPolicy) -> None:
+        """Refuse what cannot hold a per-head budget at decode (module docstring)."""
+        refused = []
+        for name, allowed in (("head_budgets", "uniform"), ("layer_budgets", "uniform")):
+            value = getattr(policy, name, allowed)
+            if value != allowed:
+                refused.append(f"{name}={value!r}")
+        if getattr(policy, "scope", "head") != "head":
+            refused.append(f"scope={policy.scope!r}")
+        if scores.needs_reconstruction(policy.score):
+            refused.append(f"score={policy.score!r} (read from a reconstruction pass, S10.1)")
+        if refused:
+            raise ValueError(
+                f"a decode budget (max_entries) holds every KV head to {self.max_entries} "
+                f"entries; this policy has {', '.join(refused)}, which cannot be held at decode. "
+                "Use head_budgets='uniform', layer_budgets='uniform', scope='head' and a score "
+                "computed from the model's own rows (h2o, h2o-h, snapkv, tova, ...)"
+            )
+
+    def prompt_policy(self, policy: EvictionPolicy, prompt_entries: int) -> EvictionPolicy:
+        """Stage 1: ``policy`` evicting ``prompt_entries`` down to ``B`` (ratio 0: all kept)."""
+        ratio = max(0.0, 1.0 - self.max_entries / prompt_entries)
+        return dataclasses.replace(policy, ratio=ratio, **self.block_limit(policy))
+
+    def block_limit(self, policy: EvictionPolicy) -> dict:
+        """A pps block design (S10.3) keeps up to ``block - 1`` entries above its budget: under
+        a decode budget its blocks hold at most ``K`` entries, so no head passes ``B + K``."""
+        block = getattr(policy, "block", 1)
+        return {"block": self.every} if block > self.every else {}
+
+
+@dataclass
+class LayerDecodeState:
+    """One layer's decode-time eviction: its statistics, stage count and peaks."""
+
+    statistics: DecodeStatistics
+    stages: int = 1  # the prompt's eviction is stage 1
+    peak_entries: int = 0  # per KV head, at the largest (before a stage evicts)
+    peak_bytes: int = 0
+
+
+def start_decode(layer, observation, selection: RaggedSelection) -> None:
+    """Stage 1, called before ``layer`` (holding the whole prompt) applies ``selection``:
+    statistics over the entries it keeps."""
+    policy = layer.policy
+    norms = None
+    if policy.score == "min-h":  # its proposal holds ||v_i||; its column sums do not
+        norms = layer.tail_values[0].float().norm(dim=-1)
+    statistics = DecodeStatistics.from_prompt(
+        policy.score,
+        policy.score_params,
+        prompt_log_scores=observation.log_scores,
+        last_query_attention=observation.last_query_attention,
+        kept=[selection.head(h)[0] for h in range(selection.num_heads)],
+        value_norms=norms,
+    )
+    layer.decode_state = LayerDecodeState(statistics)
+
+
+def after_decode_attention(layer, query: torch.Tensor, scale: float) -> None:
+    """A decode forward attended over ``layer`` (EVICTED; ``query [Hq, q, d]``): add its rows
+    to the statistics, then evict down to the budget if a head holds ``B + K`` entries."""
+    state: LayerDecodeState = layer.decode_state
+    keys, log_weights, lengths = padded_entries(layer)
+    probs = decode_probabilities(query, keys, log_weights, lengths, scale)
+    state.statistics.observe(probs, query)
+    record_peak(layer)
+    budget: DecodeBudget = layer.decode_budget
+    if max(lengths) >= budget.peak_entries:
+        evict_to_budget(layer, scale)
+
+
+def padded_entries(layer):
+    """Every head's entries now (prefix, then tail) padded to the longest: keys ``[Hkv, n,
+    d]``, prefix log-weights ``[Hkv, n]`` (zero on the tail; ``None`` without weights) and
+    the heads' lengths. A uniform prefix needs no copy per head."""
+    prefix = layer.prefix
+    h = layer.num_heads
+    tail_k = layer.tail_keys[0]
+    t = tail_k.shape[1]
+    lengths = [n + t for n in prefix.lengths]
+    if prefix.uniform_length:
+        length = prefix.lengths[0]
+        keys = torch.cat([prefix.keys.view(h, length, -1), tail_k], dim=1)
+        log_weights = None
+        if prefix.log_weights is not None:
+            log_weights = torch.nn.functional.pad(prefix.log_weights.view(h, length), (0, t))
+        return keys, log_weights, lengths
+    n = max(lengths)
+    keys = tail_k.new_zeros(h, n, tail_k.shape[2])
+    log_weights = None
+    if prefix.log_weights is not None:
+        log_weights = torch.zeros(h, n, device=tail_k.device)
+    for i in range(h):
+        k, _, lw = prefix.head(i)
+        keys[i, : k.shape[0]] = k
+        keys[i, k.shape[0] : lengths[i]] = tail_k[i]
+        if lw is not None:
+            log_weights[i, : lw.shape[0]] = lw
+    return keys, log_weights, lengths
+
+
+def record_peak(layer) -> None:
+    """The entries per head and bytes ``layer`` holds now, into its peaks."""
+    state = layer.decode_state
+    state.peak_entries = max(state.peak_entries, layer.physical_length())
+    state.peak_bytes = max(state.peak_bytes, layer.nbytes())
+
+
+def _head_entries(layer, h: int):
+    """Head ``h``'s entries now (prefix, then tail) and its prefix log-weights."""
+    tail_k = layer.tail_keys[0, h]
+    tail_v = layer.tail_values[0, h]
+    k, v, lw = layer.prefix.head(h)
+    return torch.cat([k, tail_k]), torch.cat([v, tail_v]), lw
+
+
+def evict_to_budget(layer, scale: float) -> None:
+    """One decode stage (S10.5): the policy evicts every head of ``layer`` to ``B`` entries,
+    on the statistics; heads of equal length are observed together (one selection), ragged
+    heads (a with-replacement stage keeps fewer than ``B``) one at a time."""
+    state: LayerDecodeState = layer.decode_state
+    budget: DecodeBudget = layer.decode_budget
+    state.stages += 1
+    entries = [_head_entries(layer, h) for h in range(layer.num_heads)]
+    lengths = [int(k.shape[0]) for k, _, _ in entries]
+    if len(set(lengths)) == 1:
+        groups = [list(range(layer.num_heads))]
+    else:
+        groups = [[h] for h in range(layer.num_heads)]
+    parts = []
+    for heads in groups:
+        n = lengths[heads[0]]
+        keys = torch.stack([entries[h][0] for h in heads])
+        values = torch.stack([entries[h][1] for h in heads])
+        obs = state.statistics.observation(
+            heads, keys, values, scale=scale, layer_idx=layer.layer_idx, rank=layer.rank
+        )
+        policy = _stage_policy(
+            layer.policy, budget, n, state.stages, heads[0] if len(heads) == 1 else 0
+        )
+        parts.append(policy.select([obs], num_layers=layer.num_evicting)[0])
+    selection = parts[0] if len(parts) == 1 else _concat(parts)
+    layer.evict(selection)
+    state.statistics.keep([selection.head(h)[0] for h in range(selection.num_heads)])
+
+
+def _stage_policy(policy, budget: DecodeBudget, n: int, stage: int, head: int):
+    """``policy`` keeping ``B`` of ``n`` entries, with the stage's own seed."""
+    changes = {"ratio": max(0.0, 1.0 - budget.max_entries / n), **budget.block_limit(policy)}
+    if hasattr(policy, "seed"):
+        changes["seed"] = policy.seed + _STAGE_SEED_STRIDE * stage + _HEAD_SEED_STRIDE * head
+    return dataclasses.replace(policy, **changes)
+
+
+def _concat(parts: list[RaggedSelection]) -> RaggedSelection:
+    """One selection of several heads' selections (heads in order)."""
+    weighted = any(p.log_weights is not None for p in parts)
+    log_weights = None
+    if weighted:
+        log_weights = torch.cat(
+            [
+                p.log_weights
+                if p.log_weights is not None
+                else torch.zeros(p.indices.numel(), device=p.indices.device)
+                for p in parts
+            ]
+        )
+    return RaggedSelection(
+        torch.cat([p.indices for p in parts]), torch.cat([p.lengths for p in parts]), log_weights
+    )

@@ -1,0 +1,211 @@
+"""Decode-time eviction held to a budget (probkv.hf.decode_budget, S10.5) on tiny models."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from probkv import sampling
+from probkv.hf import ProbKVCache, prepare_model
+from probkv.policies import parse_method
+from probkv.policies.probabilistic import ProbabilisticPolicy
+from probkv.testing import tiny_model
+
+METHODS = [
+    "streaming_llm",
+    "h2o",
+    "tova",
+    "snapkv",
+    "knorm",
+    "prob:h2o-h",
+    "prob:h2o",
+    "prob:tova",
+    "prob:min-h",
+    "prob:snapkv",
+]
+# S3: m draws with replacement keep B distinct entries in expectation only.
+WITH_REPLACEMENT = "prob:h2o/sampler=with_replacement/weights=inclusion"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return prepare_model(tiny_model("llama", seed=0))
+
+
+def _ids(n: int, seed: int = 3) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 200, (1, n), generator=gen)
+
+
+@torch.no_grad()
+def _run(model, cache, ids, prompt: int) -> list[torch.Tensor]:
+    """Prefill ``prompt`` tokens, then feed the rest one at a time; the logits of each step."""
+    out = [model(input_ids=ids[:, :prompt], cache=cache, use_cache=True).logits[0, -1]]
+    for i in range(prompt, ids.shape[1]):
+        out.append(model(input_ids=ids[:, i : i + 1], cache=cache, use_cache=True).logits[0, -1])
+    return out
+
+
+def _layers(cache):
+    return [cache.layers[i] for i in cache.evicting_layers]
+
+
+@pytest.mark.parametrize("method", [*METHODS, WITH_REPLACEMENT])
+@pytest.mark.parametrize(("prompt", "budget", "every"), [(30, 12, 4), (8, 12, 1), (20, 10, 16)])
+def test_budget_never_exceeded_by_more_than_one_block(model, method, prompt, budget, every):
+    """Every head of every layer holds at most B + K entries at every step, for any prompt
+    length (above or below B), and the stages keep the layer's bytes bounded too. The
+    with-replacement sampler keeps B in expectation: a stage may keep a few more (bounded
+    here by 3 standard deviations of a binomial count, 3 sqrt(B))."""
+    slack = int(3 * budget**0.5) if method == WITH_REPLACEMENT else 0
+    cache = ProbKVCache(
+        model.config, parse_method(method), prompt_length=prompt, max_entries=budget, every=every
+    )
+    ids = _ids(prompt + 45)
+    with torch.no_grad():
+        model(input_ids=ids[:, :prompt], cache=cache, use_cache=True)
+        for i in range(prompt, ids.shape[1]):
+            model(input_ids=ids[:, i : i + 1], cache=cache, use_cache=True)
+            for layer in _layers(cache):
+                assert layer.physical_length() < budget + every + slack
+    for layer in _layers(cache):
+        assert layer.decode_state.peak_entries <= budget + every + slack
+        assert layer.decode_state.stages >= 2
+        per_entry = 2 * layer.num_heads * layer.prefix.keys.shape[1] * 4  # keys + values, f32
+        assert layer.decode_state.peak_bytes <= (budget + 2 * every + slack) * per_entry
+
+
+def test_large_budget_changes_nothing(model):
+    """B >= every token: logits bit-equal to the same cache without eviction (ratio 0)."""
+    ids = _ids(50)
+    for method in ("h2o", "prob:h2o-h", "snapkv"):
+        plain = ProbKVCache(model.config, parse_method(method, ratio=0.0), prompt_length=20)
+        reference = _run(model, plain, ids, 20)
+        cache = ProbKVCache(
+            model.config, parse_method(method), prompt_length=20, max_entries=50, every=1
+        )
+        logits = _run(model, cache, ids, 20)
+        assert all(torch.equal(a, b) for a, b in zip(logits, reference, strict=True))
+        assert all(layer.prefix.log_weights is None for layer in _layers(cache))
+        assert all(layer.decode_state.stages == 1 for layer in _layers(cache))
+
+
+def _kept(cache):
+    return [(layer.prefix.keys.clone(), layer.prefix.log_weights) for layer in _layers(cache)]
+
+
+def test_same_seed_same_kept_sets(model):
+    ids = _ids(60)
+    runs = []
+    for seed in (0, 0, 1):
+        policy = parse_method(f"prob:h2o-h/seed={seed}")
+        cache = ProbKVCache(model.config, policy, prompt_length=20, max_entries=10, every=3)
+        _run(model, cache, ids, 20)
+        runs.append(_kept(cache))
+    for (ka, wa), (kb, wb) in zip(runs[0], runs[1], strict=True):
+        assert torch.equal(ka, kb) and torch.equal(wa, wb)
+    assert any(
+        ka.shape != kc.shape or not torch.equal(ka, kc)
+        for (ka, _), (kc, _) in zip(runs[0], runs[2], strict=True)
+    )
+
+
+def test_composed_weights_are_the_product_of_stage_inclusions(model, monkeypatch):
+    """S10.5: an entry's final log-weight is -sum over the stages it survived of log P^(s),
+    with P^(s) recomputed here from each stage's observation (fixed-size pps, S9), entries
+    followed by their positions through every stage."""
+    stages: list[tuple[int, torch.Tensor, object]] = []  # (layer, inclusion [H, n], selection)
+    original = ProbabilisticPolicy.select
+
+    def recording(self, observations, *, num_layers):
+        selections = original(self, observations, num_layers=num_layers)
+        for obs, sel in zip(observations, selections, strict=True):
+            obs = self._with_forced(obs)
+            pi = self.proposal(obs).double()
+            forced = (
+                obs.forced.sum(-1)
+                if obs.forced is not None
+                else torch.zeros(obs.num_heads, dtype=torch.int64)
+            )
+            budget = round((1 - self.ratio) * obs.length)
+            p = sampling.pps_inclusion_probabilities(pi, (budget - forced).clamp(min=0))
+            if obs.forced is not None:
+                p = torch.where(obs.forced, torch.ones_like(p), p)
+            stages.append((obs.layer_idx, p, sel))
+        return selections
+
+    monkeypatch.setattr(ProbabilisticPolicy, "select", recording)
+    policy = parse_method("prob:h2o-h/block=1/order=position")
+    prompt, budget, every = 16, 8, 4
+    cache = ProbKVCache(model.config, policy, prompt_length=prompt, max_entries=budget, every=every)
+    _run(model, cache, _ids(40), prompt)
+    layer = _layers(cache)[0]
+    mine = [(p, sel) for i, p, sel in stages if i == layer.layer_idx]
+    assert len(mine) == layer.decode_state.stages >= 3
+    # Follow positions: held[h] = positions of head h's entries, weights[h][pos] = -sum log P
+    held = [list(range(prompt)) for _ in range(layer.num_heads)]
+    weights = [dict.fromkeys(range(prompt), 0.0) for _ in range(layer.num_heads)]
+    seen = prompt  # tokens the layer had seen at the last stage
+    for stage, (p, sel) in enumerate(mine):
+        assert p.shape[0] == layer.num_heads  # equal lengths: one selection per stage
+        added = p.shape[1] - len(held[0]) if stage else 0  # the tail since the last stage
+        for h in range(layer.num_heads):
+            current = held[h] + list(range(seen, seen + added))
+            idx, _ = sel.head(h)
+            held[h] = [current[i] for i in idx.tolist()]
+            for i, pos in zip(idx.tolist(), held[h], strict=True):
+                weights[h][pos] = weights[h].get(pos, 0.0) - float(torch.log(p[h, i]))
+        seen += added
+    for h in range(layer.num_heads):
+        _, _, lw = layer.prefix.head(h)
+        expected = torch.tensor([weights[h][pos] for pos in held[h]], dtype=torch.float32)
+        torch.testing.assert_close(lw, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_refused_by_name(model):
+    for method, word in (
+        ("ada_snapkv", "head_budgets"),
+        ("pyramidkv", "layer_budgets"),
+        ("prob:h2o/scope=global", "scope"),
+        ("kvzip", "reconstruction"),
+    ):
+        with pytest.raises(ValueError, match=word):
+            ProbKVCache(model.config, parse_method(method), max_entries=8)
+    with pytest.raises(ValueError, match="max_entries"):
+        ProbKVCache(model.config, parse_method("h2o"), max_entries=0)
+    with pytest.raises(ValueError, match="every"):
+        ProbKVCache(model.config, parse_method("h2o"), max_entries=4, every=0)
+    cache = ProbKVCache(model.config, parse_method("h2o"), max_entries=8)
+    _run(model, cache, _ids(12), 10)
+    with pytest.raises(ValueError, match="decode budget"):
+        cache.rewind()
+
+
+def test_block_designs_are_capped_at_the_block_of_k():
+    from probkv.hf.decode_budget import DecodeBudget
+
+    policy = parse_method("prob:h2o-h")  # pps, block 8
+    assert DecodeBudget(8, every=4).prompt_policy(policy, 20).block == 4
+    assert DecodeBudget(8, every=16).prompt_policy(policy, 20).block == policy.block
+    assert dataclasses.replace(policy, ratio=0.6) == DecodeBudget(8, 16).prompt_policy(policy, 20)
+
+
+def test_generate_holds_the_budget(model):
+    """probkv.hf.compress with a decode budget, then generate(): greedy tokens come out and
+    no head ever held more than B + K entries; transformers' own generate() too."""
+    from probkv.hf import compress, generate
+
+    ids = _ids(30)
+    cache = compress(model, ids, parse_method("prob:h2o-h"), max_entries=12, every=4)
+    out = generate(model, cache, _ids(3, seed=5), max_new_tokens=25)
+    assert out.numel() == 25
+    for layer in _layers(cache):
+        assert layer.decode_state.peak_entries <= 16
+        assert layer.decode_state.stages >= 5
+    cache = ProbKVCache(model.config, parse_method("tova"), max_entries=8, every=1)
+    with torch.no_grad():
+        out = model.generate(ids, cache=cache, max_new_tokens=12, do_sample=False)
+    assert out.shape[1] == 42
+    assert all(layer.decode_state.peak_entries <= 9 for layer in _layers(cache))
