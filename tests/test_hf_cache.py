@@ -374,16 +374,24 @@ def test_observe_once_then_evict_equals_compress(tiny, method):
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_bfloat16_models_evict_and_match_at_ratio_zero(arch):
-    """bfloat16 weights and cache; scores, proposals and log-weights stay float32."""
+    """bfloat16 weights and cache; scores, proposals and log-weights stay float32.
+
+    At ratio 0 the cache path matches SDPA within bfloat16 rounding, not bit for bit: SDPA
+    and probkv's float32-softmax path round at different points, and bfloat16 keeps 8
+    significant bits (unit roundoff u = 2^-8), so greedy tokens can flip at near-ties (they do
+    on some CPUs). Teacher-forced over the reference continuation, every logit must agree
+    within 16 u of the logits' scale (measured: at most 6.2 u on these models)."""
     model = prepare_model(tiny_model(arch, seed=0, dtype=torch.bfloat16))
     ids = random_ids(model, 40, seed=17)
     with torch.no_grad():
         model.set_attn_implementation("sdpa")
         reference = model.generate(ids, max_new_tokens=8, do_sample=False)
+        expected = model(reference).logits[0, ids.shape[1] - 1 : -1].float()
         prepare_model(model)
         cache = ProbKVCache(model.config, parse_method("prob:min-h", ratio=0.0))
-        same = model.generate(ids, max_new_tokens=8, do_sample=False, cache=cache)
-    assert torch.equal(same, reference)
+        steps = [ids] + [t.view(1, 1) for t in reference[0, ids.shape[1] : -1]]
+        got = torch.stack([model(x, cache=cache).logits[0, -1].float() for x in steps])
+    assert (got - expected).abs().max() <= 16 * 2**-8 * expected.abs().max()
     cache = compress(model, ids, parse_method("prob:min-h", ratio=0.5))
     for i in cache.evicting_layers:
         prefix = cache.layers[i].prefix
