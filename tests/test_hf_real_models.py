@@ -102,4 +102,6 @@ def test_readme_eviction_example_runs(smollm2, capsys):
     exec(compile(example, "README.md", "exec"), namespace)
     assert 0.4 < namespace["cache"].effective_ratio() < 0.6
     assert namespace["tokens"].numel() > 0
+    budgeted = namespace["budgeted"]  # the decode budget: never more than B + K per head
+    assert max(budgeted.layers[i].physical_length() for i in budgeted.evicting_layers) <= 272
     assert "layer_idx" in capsys.readouterr().out
