@@ -28,7 +28,7 @@ from probkv.eval.data import load_examples
 from probkv.eval.examples import ContextTooLongError, check_context_fits, fit_context
 from probkv.model_files import MANIFEST_NAME, InvalidGGUFError
 from probkv.models import CACHE_ENV
-from probkv.testing import tiny_model, write_tiny_gguf
+from probkv.testing import TINY_EOS_ID, tiny_model, write_tiny_gguf
 
 SRC = str(Path(probkv.__file__).resolve().parents[1])
 
@@ -600,6 +600,7 @@ def _method_specs() -> list[str]:
 @example(spec="prob:h2o/scope=global", ratio=0.5, t=1, seed=0)
 @example(spec="prob:snapkv/scope=global", ratio=0.9999, t=64, seed=0)
 @example(spec="prob:snapkv/sampler=with_replacement", ratio=0.98, t=40, seed=0)
+@example(spec="prob:min-h/scope=global", ratio=0.69921875, t=59, seed=2)  # answers EOS first
 def test_high_ratios_and_tiny_prompts_never_crash(tiny_llama, spec, ratio, t, seed):
     """Issue 11, point 4: no crash at any ratio up to 0.9999 on prompts of 1..64 tokens, for
     every method and main option. Budgets hold (exact-budget methods keep at most theirs,
@@ -628,7 +629,8 @@ def test_high_ratios_and_tiny_prompts_never_crash(tiny_llama, spec, ratio, t, se
             assert all(math.isfinite(e) and e >= 0.0 for e in r.effective_sample_size)
     assert math.isfinite(cache.effective_ratio())
     new = answer(tiny_llama, cache, torch.tensor([[40, 41]]), max_new_tokens=2)
-    assert new.numel() == 2
+    # generation stops early only at the end-of-sequence token (some draws emit it first)
+    assert new.numel() == 2 or (new.numel() == 1 and int(new[0]) == TINY_EOS_ID)
 
 
 # -- a cache holds one prompt, of one model ----------------------------------------------------
