@@ -8,11 +8,20 @@ conversion itself use tiny GGUF files and their own temporary cache folders.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+from hypothesis import settings
 
 # One torch thread per process measured faster than two on the 2-core machines we run on.
 torch.set_num_threads(1)
+
+# Property tests draw the same examples on every run ("ci", the default), so a failure in CI
+# reproduces anywhere; HYPOTHESIS_PROFILE=explore draws fresh ones to hunt for new failures.
+settings.register_profile("ci", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture(scope="session")
