@@ -8,7 +8,9 @@ conversion itself use tiny GGUF files and their own temporary cache folders.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -38,3 +40,31 @@ def gemma3():
     from probkv.models import load_model
 
     return load_model("gemma3-270m")
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="session")
+def load_benchmark():
+    """``load_benchmark("bench_x")``: the script ``benchmarks/bench_x.py`` as a module (the
+    scripts are not a package)."""
+
+    def load(name: str):
+        spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return load
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> str:
+    """A saved tiny random Llama with its tokenizer: a model folder any command can load."""
+    from probkv.testing import tiny_model, tiny_tokenizer
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tiny_model("llama", max_position_embeddings=4096).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return str(folder)

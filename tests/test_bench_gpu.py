@@ -3,34 +3,22 @@ tiny random model (no timing is checked: speed is read from the benchmark's own 
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
 torch.set_num_threads(1)
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_gpu.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("bench_gpu", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal needs a machine without CUDA")
-def test_refuses_without_cuda(capsys):
-    assert load_script().main([]) == 2
+def test_refuses_without_cuda(load_benchmark, capsys):
+    assert load_benchmark("bench_gpu").main([]) == 2
     assert "no CUDA device" in capsys.readouterr().err
 
 
-def test_cpu_smoke_mode_on_a_tiny_model(capsys):
+def test_cpu_smoke_mode_on_a_tiny_model(load_benchmark, capsys):
     argv = ["--device", "cpu", "--lengths", "96", "--tiny", "llama"]
     argv += ["--decode-tokens", "2", "--repeats", "1", "--dtype", "float32"]
-    assert load_script().main(argv) == 0
+    assert load_benchmark("bench_gpu").main(argv) == 0
     out = capsys.readouterr().out
     for method in ("snapkv", "h2o", "prob:min-h", "prob:h2o"):
         assert f"  {method} " in out
@@ -38,6 +26,6 @@ def test_cpu_smoke_mode_on_a_tiny_model(capsys):
     assert "lse route out+cs" in out
 
 
-def test_bad_device_is_refused():
+def test_bad_device_is_refused(load_benchmark):
     with pytest.raises(ValueError, match="--device must be cuda, cuda:N or cpu, got 'tpu'"):
-        load_script().main(["--device", "tpu"])
+        load_benchmark("bench_gpu").main(["--device", "tpu"])

@@ -89,14 +89,6 @@ TIMING = ("prefill_s", "decode_s", "shared_prefill")
 
 
 @pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory) -> str:
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    tiny_model("llama", max_position_embeddings=4096).save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
-    return str(folder)
-
-
-@pytest.fixture(scope="session")
 def tiny_gemma_dir(tmp_path_factory) -> str:
     folder = tmp_path_factory.mktemp("tiny-gemma3")
     tiny_model("gemma3", max_position_embeddings=4096).save_pretrained(folder)
