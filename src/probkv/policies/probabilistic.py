@@ -169,10 +169,11 @@ class ProbabilisticPolicy(EvictionPolicy):
         """``[Hkv, t]`` log-scores max-pooled over positions with kernel ``pool`` (S10)."""
         return proposals.max_pool_log_scores(obs.log_scores, self.pool, forced=obs.forced)
 
-    def proposal(self, obs: LayerObservation) -> torch.Tensor:
-        """``[Hkv, t]``: zero on forced entries, full support on the others (S2)."""
+    def proposal(self, obs: LayerObservation, pooled: torch.Tensor | None = None) -> torch.Tensor:
+        """``[Hkv, t]``: zero on forced entries, full support on the others (S2). ``pooled``:
+        ``pooled_scores(obs)`` if already computed."""
         return proposals.proposal_from_log_scores(
-            self.pooled_scores(obs),
+            self.pooled_scores(obs) if pooled is None else pooled,
             tau=self.proposal_tau,
             uniform_mix=self.uniform_mix,
             forced=obs.forced,
@@ -191,7 +192,8 @@ class ProbabilisticPolicy(EvictionPolicy):
         generator = torch.Generator(device=device)
         generator.manual_seed(self.seed * 100_003 + observations[0].layer_idx)
         observations = [self._with_forced(obs) for obs in observations]
-        pis = [self.proposal(obs).double() for obs in observations]
+        pooled = [self.pooled_scores(obs) for obs in observations]
+        pis = [self.proposal(obs, p).double() for obs, p in zip(observations, pooled)]
         # A head whose entries are all forced (a prompt no longer than SnapKV's window at a
         # budget of every entry) has nothing to sample: it keeps everything and is left out.
         rows = [pi.sum(-1) > 0 for pi in pis]
@@ -199,8 +201,14 @@ class ProbabilisticPolicy(EvictionPolicy):
         draw = self._draw_pps if self.sampler == "pps" else self._draw_with_replacement
         # The core ranks by the (pooled) scores; scope "global" compares heads on the score's
         # own scale (S9): raw log-scores where they are attention, per head log-softmax else.
-        rank = self._global_keys if self.scope == "global" else self.pooled_scores
-        keys = [rank(observations[i])[rows[i]].double() for i in live]
+        keys, masses = None, None
+        if self._span_design or self.scope == "global":
+            if self.scope == "global":
+                ranked = [self._global_keys(observations[i], pooled[i]) for i in live]
+            else:
+                ranked = [pooled[i] for i in live]
+            keys = [k[rows[i]].double() for k, i in zip(ranked, live)]
+            masses = self._head_masses(keys) if live else None
         if self._span_design:  # S10.2-S10.4
             draw = functools.partial(self._draw_span, keys)
         drawn = []
@@ -210,7 +218,7 @@ class ProbabilisticPolicy(EvictionPolicy):
                 [_forced_counts(observations[i])[rows[i]] for i in live],
                 [budgets.uniform_budget(observations[i].length, self.ratio) for i in live],
                 generator,
-                masses=self._head_masses(keys),
+                masses=masses,
             )
         kept = [torch.zeros(pi.shape, dtype=torch.bool, device=pi.device) for pi in pis]
         logw = [torch.zeros(pi.shape, dtype=torch.float32, device=pi.device) for pi in pis]
@@ -223,11 +231,12 @@ class ProbabilisticPolicy(EvictionPolicy):
             for obs, k, w in zip(observations, kept, logw)
         ]
 
-    def _global_keys(self, obs: LayerObservation) -> torch.Tensor:
-        """``[Hkv, t]`` float64 keys comparable across heads (S9 global): the pooled log-scores
-        as they are for scores on the attention scale (Ada-KV and KVzip compare raw attention),
-        each head's log-softmax over its non-forced entries otherwise; ``-inf`` where forced."""
-        keys = self.pooled_scores(obs).double()
+    def _global_keys(self, obs: LayerObservation, pooled: torch.Tensor) -> torch.Tensor:
+        """``[Hkv, t]`` float64 keys comparable across heads (S9 global), from the pooled
+        log-scores: as they are for scores on the attention scale (Ada-KV and KVzip compare raw
+        attention), each head's log-softmax over its non-forced entries otherwise; ``-inf``
+        where forced."""
+        keys = pooled.double()
         if obs.forced is not None:
             keys = keys.masked_fill(obs.forced, -math.inf)
         if not scores.on_attention_scale(self.score):
