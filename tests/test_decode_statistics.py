@@ -83,3 +83,55 @@ def test_online_column_sums_equal_the_weighted_sum_of_rows(score):
     got = stats.column_sums([0], 3)
     torch.testing.assert_close(got, expected[:g, [0, 3, 8]].float(), rtol=1e-5, atol=1e-6)
     assert math.isclose(float(stats.column_sums([1], 3)[:, 2].abs().max()), 0.0)
+
+
+@pytest.mark.parametrize("score", ["h2o", "h2o-h"])
+def test_pending_rows_flush_whenever_full(monkeypatch, score):
+    """Rows wait in a small buffer (3 rows here) before they enter the sums: flushes when it
+    is full, a forward longer than the buffer, growing widths and a stage in between leave the
+    sums equal to sum_j w(T - j + 1) p_j(i), computed from every row kept aside."""
+    import probkv.decode_statistics as module
+
+    monkeypatch.setattr(module, "PENDING_ROWS", 3)
+    gen = torch.Generator().manual_seed(2)
+    hkv, g, t = 2, 3, 5
+    prompt = torch.softmax(torch.randn(hkv, t, generator=gen), -1)
+    stats = DecodeStatistics.from_prompt(
+        score,
+        {},
+        prompt_log_scores=prompt.log(),
+        last_query_attention=prompt,
+        kept=[torch.arange(t), torch.arange(t)],
+    )
+    weight = (lambda x: torch.ones_like(x)) if score == "h2o" else harmonic_kernel
+    rows, held = [], t
+    for q in [1, 2, 1, 4, 1, 1, 1, 2, 1]:
+        held += q
+        probs = torch.softmax(torch.randn(hkv, g, q, held, generator=gen), -1)
+        stats.observe(probs, torch.randn(hkv * g, q, 4, generator=gen))
+        rows.extend(probs[:, :, r].reshape(hkv * g, held) for r in range(q))
+
+    def expected_at(total: int) -> torch.Tensor:
+        """The sums ``total`` rows after the prompt, over the rows kept aside (and the prompt)."""
+        sums = torch.zeros(hkv * g, held, dtype=torch.float64)
+        for j, p in enumerate(rows, start=1):
+            sums[:, : p.shape[1]] += weight(torch.tensor([float(total - j + 1)])).double() * p
+        distances = torch.arange(total + 1, total + t + 1, dtype=torch.float64)
+        mass = float(t) if score == "h2o" else float(weight(distances).sum())
+        sums[:, :t] += mass * prompt.double().repeat_interleave(g, 0)
+        return sums
+
+    got = stats.column_sums([0, 1], held)
+    torch.testing.assert_close(got, expected_at(len(rows)).float(), rtol=1e-5, atol=1e-6)
+    kept = [[1, 4, 12], [0, 18]]
+    stats.keep([torch.tensor(k) for k in kept])
+    probs = torch.softmax(torch.randn(hkv, g, 1, 4, generator=gen), -1)
+    probs[1, :, :, 3] = 0.0  # head 1 holds 3 entries: the 4th is padding
+    stats.observe(probs, torch.randn(hkv * g, 1, 4, generator=gen))
+    before = expected_at(len(rows) + 1)
+    expected = torch.zeros(hkv * g, 4, dtype=torch.float64)
+    for h, cols in enumerate(kept):
+        expected[h * g : (h + 1) * g, : len(cols)] = before[h * g : (h + 1) * g, cols]
+    expected += weight(torch.tensor([1.0])).double() * probs.reshape(hkv * g, 4).double()
+    got = stats.column_sums([0, 1], 4)
+    torch.testing.assert_close(got, expected.float(), rtol=1e-5, atol=1e-6)

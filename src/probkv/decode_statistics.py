@@ -43,6 +43,9 @@ _RATES: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 # Room the accumulators grow by when the tail passes their width (amortised appends).
 _GROWTH = 16
 
+# Decode rows held before they are added to the column sums (read at a stage, or when full).
+PENDING_ROWS = 32
+
 
 def _rates(device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(s_k, exp(-s_k), c_k)`` float64 on ``device``, built once."""
@@ -106,6 +109,8 @@ class DecodeStatistics:
     width: int  # the longest head's entries: the statistics' logical width
     queries: torch.Tensor | None = None  # [Hq, <= rows_kept, d], the latest decode rows
     group: int = 1  # g, known from the first decode rows
+    pending: torch.Tensor | None = field(default=None, repr=False)  # [rows, Hq, width]
+    pending_rows: int = 0  # rows held in ``pending``, not yet in ``sums``
     weighting: str | None = field(init=False)
     rows_kept: int = field(init=False)
 
@@ -149,43 +154,88 @@ class DecodeStatistics:
         last = last_query_attention.float().gather(1, index.to(last_query_attention.device))
         return cls(score, dict(score_params), sums, last * valid.float(), lengths, max(lengths))
 
-    def observe(self, probs: torch.Tensor, query: torch.Tensor) -> None:
-        """A forward's ``q`` rows: ``probs [Hkv, g, q, n]`` over the entries held now
-        (``decode_probabilities``; every head holds ``q`` entries more), ``query [Hq, q, d]``."""
-        h, g, q, n = probs.shape
-        self.group = g
-        if n < self.width:
-            raise ValueError(f"{n} entries, fewer than the statistics' {self.width}")
-        self.last_attention = probs[:, :, -1].mean(1)
+    def observe(self, probs: torch.Tensor | None, query: torch.Tensor) -> None:
+        """A forward's ``q`` rows: ``probs [Hkv, g, q, n]`` over the entries held now (the
+        decode attention's own, ``evicted_attention_with_probabilities``, or recomputed by
+        ``decode_probabilities``; every head holds ``q`` entries more), ``query [Hq, q, d]``.
+        ``probs`` may be ``None`` for a score that reads no column sums, on a step that starts
+        no stage: the latest row's attention is then unknown until the next rows come."""
+        q = query.shape[1]
+        width = self.width
+        self.group = query.shape[0] // max(1, len(self.lengths))
         self.lengths = [length + q for length in self.lengths]
+        self.width = max(self.lengths, default=0)
+        if q >= self.rows_kept:  # the latest rows, no copy of the older ones
+            self.queries = query[:, q - self.rows_kept :].clone()
+        else:
+            rows = query if self.queries is None else torch.cat([self.queries, query], 1)
+            self.queries = rows[:, -self.rows_kept :].clone()
+        if probs is None:
+            if self.weighting is not None:
+                raise ValueError(f"score {self.score!r} needs every decode row's probabilities")
+            self.last_attention = None
+            return
+        h, g, _, n = probs.shape
+        self.group = g
+        if n < width:
+            raise ValueError(f"{n} entries, fewer than the statistics' {width}")
         self.width = n
+        self.last_attention = probs[:, :, -1].mean(1)
         if self.weighting is not None:
-            if self.sums.shape[1] != h * g:  # the prompt's rows, the same for the whole group
-                self.sums = self.sums.repeat_interleave(g, dim=1)
-            if self.sums.shape[2] < n:
-                self.sums = torch.nn.functional.pad(
-                    self.sums, (0, n + _GROWTH - self.sums.shape[2])
-                )
-            acc = self.sums[:, :, :n]  # a view: updated in place
-            p = probs.reshape(h * g, q, n).double()
-            if self.weighting == "uniform":
-                acc[0] += p.sum(1)
-            else:  # row r of q is at distance q - r at the end of this forward
-                rates, decay, _ = _rates(p.device)
-                acc *= (decay**q).view(-1, 1, 1)
-                if q == 1:
-                    acc += decay.view(-1, 1, 1) * p[:, 0].unsqueeze(0)
-                else:
-                    dist = torch.arange(q, 0, -1, dtype=torch.float64, device=p.device)
-                    acc += torch.einsum("sr,hrn->shn", torch.exp(-rates.view(-1, 1) * dist), p)
-        rows = query if self.queries is None else torch.cat([self.queries, query], 1)
-        self.queries = rows[:, -self.rows_kept :].clone()
+            self._hold(probs.reshape(h * g, q, n))
+
+    def _hold(self, p: torch.Tensor) -> None:
+        """Rows ``p [Hq, q, n]`` into the pending rows (added to the sums when read, at the
+        latest after ``PENDING_ROWS`` rows): one copy per forward instead of a pass over every
+        accumulator."""
+        hq, q, n = p.shape
+        if self.pending_rows + q > PENDING_ROWS:
+            self._flush()
+        if q > PENDING_ROWS:
+            self._accumulate(p.transpose(0, 1))
+            return
+        if self.pending is None or self.pending.shape[1] != hq or self.pending.shape[2] < n:
+            self._flush()
+            self.pending = p.new_zeros(PENDING_ROWS, hq, n + _GROWTH)
+        m = self.pending_rows
+        self.pending[m : m + q, :, :n] = p.transpose(0, 1)
+        self.pending_rows = m + q
+
+    def _flush(self) -> None:
+        """Add the pending rows to the sums (they are zero past each row's width)."""
+        if self.pending_rows:
+            rows = self.pending[: self.pending_rows]
+            self._accumulate(rows)
+            rows.zero_()
+            self.pending_rows = 0
+
+    def _accumulate(self, rows: torch.Tensor) -> None:
+        """Add ``rows [m, Hq, n]`` (oldest first) to the column sums, in place (S2 weights,
+        module docstring): at the end of the last row, row ``r`` is at distance ``m - r``, so
+        every accumulator decays by ``exp(-s m)`` and takes ``sum_r exp(-s (m - r)) p_r``,
+        one matrix product for every rate."""
+        m, hq, n = rows.shape
+        if self.sums.shape[1] != hq:  # the prompt's rows, the same for the whole group
+            self.sums = self.sums.repeat_interleave(hq // self.sums.shape[1], dim=1)
+        if self.sums.shape[2] < n:
+            self.sums = torch.nn.functional.pad(self.sums, (0, n + _GROWTH - self.sums.shape[2]))
+        acc = self.sums[:, :, :n]  # a view: updated in place
+        p = rows.double().reshape(m, hq * n)
+        if self.weighting == "uniform":
+            acc[0] += p.sum(0).view(hq, n)
+        else:
+            rates, decay, _ = _rates(p.device)
+            acc *= (decay**m).view(-1, 1, 1)
+            dist = torch.arange(m, 0, -1, dtype=torch.float64, device=p.device)
+            kernel = torch.exp(-rates.view(-1, 1) * dist)  # [S, m]
+            acc += torch.matmul(kernel, p).view(-1, hq, n)
 
     def column_sums(self, heads: Sequence[int], n: int) -> torch.Tensor | None:
         """``[len(heads) g, n]`` float32 weighted column sums of ``heads`` (``None``: not
         needed), their first ``n`` entries."""
         if self.weighting is None:
             return None
+        self._flush()
         g = self.group
         rows = torch.cat([torch.arange(h * g, (h + 1) * g) for h in heads]).to(self.sums.device)
         acc = self.sums[:, rows, :n]
@@ -235,9 +285,11 @@ class DecodeStatistics:
 
     def keep(self, kept: Sequence[torch.Tensor]) -> None:
         """After a stage: ``kept[h]`` indices of head ``h``'s entries survive."""
-        device = self.last_attention.device
+        self._flush()
+        device = self.sums.device
         index, valid = _padded(kept, device)
-        self.last_attention = self.last_attention.gather(1, index) * valid.float()
+        if self.last_attention is not None:
+            self.last_attention = self.last_attention.gather(1, index) * valid.float()
         if self.weighting is not None:
             g = self.sums.shape[1] // len(kept)
             rows = index.repeat_interleave(g, dim=0)

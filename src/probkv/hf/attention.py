@@ -30,7 +30,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from probkv.hf.cache import EvictingLayer, LayerState
-from probkv.hf.decode_budget import after_decode_attention
+from probkv.hf.decode_budget import after_decode_attention, decode_rows_needed
 from probkv.hf.prefill import observe_prompt_chunk
 from probkv.observation import causal_offset_mask, dense_causal_attention, last_query_attention
 from probkv.scores import needs_reconstruction
@@ -75,9 +75,16 @@ def layer_attention(
     ``[Hq, q, d]``, the layer's dense tail ``key``/``value [Hkv, n, d]`` -> ``[Hq, q, d_v]``."""
     layer.attention_done()
     if layer.state is LayerState.EVICTED:
-        out = evicted_attention(layer, query, scale)
-        if layer.decode_budget is not None:  # S10.5: statistics, then a stage if due
-            after_decode_attention(layer, query, scale)
+        if layer.decode_budget is None:
+            return evicted_attention(layer, query, scale)
+        # S10.5: the statistics read this softmax's probabilities (only if they need them:
+        # column sums every step, the latest row at a stage), then a stage if due
+        probs = None
+        if decode_rows_needed(layer):
+            out, probs = evicted_attention_with_probabilities(layer, query, scale)
+        else:
+            out = evicted_attention(layer, query, scale)
+        after_decode_attention(layer, query, scale, probabilities=probs)
         return out
     if layer.state is LayerState.RECONSTRUCTING:  # S10.1, probkv.hf.reconstruction
         return layer.scoring.attend(layer, query, scale)
@@ -94,6 +101,25 @@ def evicted_attention(layer, query: torch.Tensor, scale: float) -> torch.Tensor:
     """Decode attention after eviction (S4, Algorithm 1 in its fast form): prefix logits get
     ``+ log w`` and share one softmax with the tail, whose newest ``q`` entries are the queries
     themselves (causal among them). query ``[Hq, q, d]`` -> ``[Hq, q, d_v]``."""
+    return _evicted_attention(layer, query, scale, False)[0]
+
+
+def evicted_attention_with_probabilities(
+    layer, query: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``evicted_attention`` and the probabilities its softmax computed, for a decode
+    budget's statistics (S10.5): ``[Hkv, g, q, n]`` float32 over each head's entries (its
+    prefix, then the tail) padded to the longest head with zeros, the layout of
+    ``probkv.decode_statistics.decode_probabilities``, which recomputes them (the slow
+    reference). A uniform prefix hands over the softmax itself, no copy."""
+    out, probs = _evicted_attention(layer, query, scale, True)
+    h = layer.num_heads
+    hq, q_len, _ = query.shape
+    return out, probs.view(h, hq // h, q_len, probs.shape[-1])
+
+
+def _evicted_attention(layer, query: torch.Tensor, scale: float, keep_probs: bool):
+    """``(out, probs [Hkv, g q, n] or None)``: both forms of ``evicted_attention``."""
     prefix = layer.prefix
     h = layer.num_heads
     hq, q_len, d = query.shape
@@ -115,12 +141,12 @@ def evicted_attention(layer, query: torch.Tensor, scale: float) -> torch.Tensor:
         logits = torch.matmul(qg, pk.transpose(1, 2)).float().mul_(scale)
         if prefix.log_weights is not None:
             logits += prefix.log_weights.view(h, 1, length)
-        out = _merge(logits, tail_logits, pv, tail_v)
+        out, probs = _merge_with_probabilities(logits, tail_logits, pv, tail_v)
     else:
         batched = query.device.type != "cpu" or RAGGED_BATCHED_ON_CPU
-        merge = ragged_merge_batched if batched else ragged_merge_per_head
-        out = merge(prefix, qg, tail_logits, tail_v, scale)
-    return out.reshape(hq, q_len, -1)
+        merge = _ragged_batched if batched else _ragged_per_head
+        out, probs = merge(prefix, qg, tail_logits, tail_v, scale, keep_probs)
+    return out.reshape(hq, q_len, -1), probs
 
 
 # Scratch size of the ragged decode: the ``[H, rows, N]`` block-diagonal logits of one row block.
@@ -144,10 +170,17 @@ def ragged_merge_batched(prefix, qg, tail_logits, tail_v, scale: float) -> torch
     per-head lengths on the host; row blocks bound the scratch to ``RAGGED_BLOCK_BYTES``.
     ``qg [H, R, d]`` (R = g * q), ``tail_logits [H, R, T]`` float32 -> ``[H, R, d_v]``.
     """
+    return _ragged_batched(prefix, qg, tail_logits, tail_v, scale, False)[0]
+
+
+def _ragged_batched(prefix, qg, tail_logits, tail_v, scale: float, keep_probs: bool):
+    """``ragged_merge_batched``; with ``keep_probs`` also its probabilities, padded per head
+    (``[H, R, max length + T]``, ``evicted_attention_with_probabilities``)."""
     h, rows, d = qg.shape
     n = prefix.keys.shape[0]
     head = prefix.head_index  # [N]
     step = max(1, RAGGED_BLOCK_BYTES // max(1, 4 * h * n))
+    padded = _padded_probabilities(prefix, tail_logits) if keep_probs else None
     out = []
     for a in range(0, rows, step):
         b = min(a + step, rows)
@@ -165,28 +198,54 @@ def ragged_merge_batched(prefix, qg, tail_logits, tail_v, scale: float) -> torch
         seg_sum = tail_exps.sum(-1).index_add_(0, head, exps.T)  # [H, r]
         probs = exps.div_(seg_sum.T[:, head])
         tail_probs = tail_exps.div_(seg_sum.unsqueeze(-1))
+        if padded is not None:
+            padded[0][head, a:b, padded[1]] = probs.T  # [N, r]: entry n at its head's place
+            padded[0][:, a:b].scatter_(2, padded[2].expand(h, r, -1), tail_probs)
         block = torch.zeros(h, r, n, dtype=probs.dtype, device=probs.device)
         block.scatter_(0, gather_ix, probs.unsqueeze(0))
         pv = prefix.values
         part = torch.matmul(block.view(h * r, n).to(pv.dtype), pv).view(h, r, -1)
         out.append(part + torch.matmul(tail_probs.to(tail_v.dtype), tail_v))
-    return out[0] if len(out) == 1 else torch.cat(out, dim=1)
+    out = out[0] if len(out) == 1 else torch.cat(out, dim=1)
+    return out, None if padded is None else padded[0]
+
+
+def _padded_probabilities(prefix, tail_logits):
+    """Zeros ``[H, R, max length + T]`` for ``_ragged_batched``'s probabilities, each prefix
+    entry's place in its head (``[N]``) and each head's tail places (``[H, 1, T]``)."""
+    h, rows, t = tail_logits.shape
+    device = tail_logits.device
+    lengths = torch.tensor(prefix.lengths, device=device)
+    offsets = torch.tensor(prefix.offsets[:-1], device=device)
+    place = torch.arange(prefix.keys.shape[0], device=device) - offsets[prefix.head_index]
+    tail_place = (lengths.view(h, 1, 1) + torch.arange(t, device=device)).view(h, 1, t)
+    zeros = torch.zeros(h, rows, max(prefix.lengths) + t, device=device)
+    return zeros, place, tail_place
 
 
 def ragged_merge_per_head(prefix, qg, tail_logits, tail_v, scale: float) -> torch.Tensor:
     """The obvious form of ``ragged_merge_batched``: a Python loop over heads, one ``_merge``
     each; the reference in tests, and the CPU path (``RAGGED_BATCHED_ON_CPU``)."""
-    return torch.stack(
-        [
-            _merge(
-                _prefix_logits(qg[i], *prefix.head(i), scale),
-                tail_logits[i],
-                prefix.head(i)[1],
-                tail_v[i],
-            )
-            for i in range(len(prefix.lengths))
-        ]
-    )
+    return _ragged_per_head(prefix, qg, tail_logits, tail_v, scale, False)[0]
+
+
+def _ragged_per_head(prefix, qg, tail_logits, tail_v, scale: float, keep_probs: bool):
+    """``ragged_merge_per_head``; with ``keep_probs`` also each head's probabilities, padded
+    (``[H, R, max length + T]``, ``evicted_attention_with_probabilities``)."""
+    outs, probs = [], []
+    for i in range(len(prefix.lengths)):
+        keys, values, log_weights = prefix.head(i)
+        logits = _prefix_logits(qg[i], keys, values, log_weights, scale)
+        out, p = _merge_with_probabilities(logits, tail_logits[i], values, tail_v[i])
+        outs.append(out)
+        probs.append(p)
+    if not keep_probs:
+        return torch.stack(outs), None
+    width = max(p.shape[-1] for p in probs)
+    padded = probs[0].new_zeros(len(probs), probs[0].shape[0], width)
+    for i, p in enumerate(probs):
+        padded[i, :, : p.shape[-1]] = p
+    return torch.stack(outs), padded
 
 
 def _prefix_logits(q, keys, values, log_weights, scale: float) -> torch.Tensor:
@@ -198,12 +257,18 @@ def _prefix_logits(q, keys, values, log_weights, scale: float) -> torch.Tensor:
 
 def _merge(prefix_logits, tail_logits, prefix_values, tail_values) -> torch.Tensor:
     """One softmax over prefix and tail logits, then the expectation of the values."""
+    return _merge_with_probabilities(prefix_logits, tail_logits, prefix_values, tail_values)[0]
+
+
+def _merge_with_probabilities(prefix_logits, tail_logits, prefix_values, tail_values):
+    """``_merge`` and its float32 probabilities ``[..., prefix + tail]``."""
     length = prefix_logits.shape[-1]
     probs = torch.softmax(torch.cat([prefix_logits, tail_logits], dim=-1), dim=-1)
-    probs = probs.to(prefix_values.dtype)
-    return torch.matmul(probs[..., :length], prefix_values) + torch.matmul(
-        probs[..., length:], tail_values
+    weights = probs.to(prefix_values.dtype)
+    out = torch.matmul(weights[..., :length], prefix_values) + torch.matmul(
+        weights[..., length:], tail_values
     )
+    return out, probs
 
 
 def probkv_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs):

@@ -117,16 +117,37 @@ def start_decode(layer, observation, selection: RaggedSelection) -> None:
     layer.decode_state = LayerDecodeState(statistics)
 
 
-def after_decode_attention(layer, query: torch.Tensor, scale: float) -> None:
+def decode_rows_needed(layer) -> bool:
+    """Whether ``layer``'s statistics read this decode step's attention probabilities: every
+    step for column sums (``h2o``, ``-h``), else only when the step starts a stage (its
+    latest row, ``LayerObservation.last_query_attention``). Called after the step's keys
+    entered the cache, before its attention."""
+    return layer.decode_state.statistics.weighting is not None or stage_due(layer)
+
+
+def stage_due(layer) -> bool:
+    """Whether a head of ``layer`` holds ``B + K`` entries (``B + 1`` for ``K = 1``)."""
+    return layer.physical_length() >= layer.decode_budget.peak_entries
+
+
+def after_decode_attention(
+    layer, query: torch.Tensor, scale: float, probabilities: torch.Tensor | None = None
+) -> None:
     """A decode forward attended over ``layer`` (EVICTED; ``query [Hq, q, d]``): add its rows
-    to the statistics, then evict down to the budget if a head holds ``B + K`` entries."""
+    to the statistics, then evict down to the budget if a head holds ``B + K`` entries.
+
+    ``probabilities [Hkv, g, q, n]``: the ones the attention computed
+    (``probkv.hf.attention.evicted_attention_with_probabilities``), given whenever
+    ``decode_rows_needed``; without them, and if needed, they are recomputed from the entries
+    (``padded_entries``, ``decode_probabilities``: the slow reference)."""
     state: LayerDecodeState = layer.decode_state
-    keys, log_weights, lengths = padded_entries(layer)
-    probs = decode_probabilities(query, keys, log_weights, lengths, scale)
-    state.statistics.observe(probs, query)
+    due = stage_due(layer)
+    if probabilities is None and (state.statistics.weighting is not None or due):
+        keys, log_weights, lengths = padded_entries(layer)
+        probabilities = decode_probabilities(query, keys, log_weights, lengths, scale)
+    state.statistics.observe(probabilities, query)
     record_peak(layer)
-    budget: DecodeBudget = layer.decode_budget
-    if max(lengths) >= budget.peak_entries:
+    if due:
         evict_to_budget(layer, scale)
 
 
@@ -141,7 +162,7 @@ def padded_entries(layer):
     lengths = [n + t for n in prefix.lengths]
     if prefix.uniform_length:
         length = prefix.lengths[0]
-        keys = torch.cat([prefix.keys.view(h, length, -1), tail_k], dim=1)
+        keys = torch.cat([prefix.keys.view(h, length, tail_k.shape[2]), tail_k], dim=1)
         log_weights = None
         if prefix.log_weights is not None:
             log_weights = torch.nn.functional.pad(prefix.log_weights.view(h, length), (0, t))
@@ -175,6 +196,27 @@ def _head_entries(layer, h: int):
     return torch.cat([k, tail_k]), torch.cat([v, tail_v]), lw
 
 
+def _stage_groups(layer):
+    """``[(heads, keys, values)]``, each head's entries now (prefix, then tail) as ``[len(heads),
+    n, d]``: all heads in one group (one copy of the layer's entries) when their lengths are
+    equal, else one group per head."""
+    prefix = layer.prefix
+    h = layer.num_heads
+    if prefix.uniform_length:
+        length = prefix.lengths[0]
+        # explicit sizes: every head's prefix may be empty (S4)
+        pk = prefix.keys.view(h, length, prefix.keys.shape[-1])
+        pv = prefix.values.view(h, length, prefix.values.shape[-1])
+        keys = torch.cat([pk, layer.tail_keys[0]], dim=1)
+        values = torch.cat([pv, layer.tail_values[0]], dim=1)
+        return [(list(range(h)), keys, values)]
+    groups = []
+    for i in range(h):
+        k, v, _ = _head_entries(layer, i)
+        groups.append(([i], k.unsqueeze(0), v.unsqueeze(0)))
+    return groups
+
+
 def evict_to_budget(layer, scale: float) -> None:
     """One decode stage (S10.5): the policy evicts every head of ``layer`` to ``B`` entries,
     on the statistics; heads of equal length are observed together (one selection), ragged
@@ -182,17 +224,10 @@ def evict_to_budget(layer, scale: float) -> None:
     state: LayerDecodeState = layer.decode_state
     budget: DecodeBudget = layer.decode_budget
     state.stages += 1
-    entries = [_head_entries(layer, h) for h in range(layer.num_heads)]
-    lengths = [int(k.shape[0]) for k, _, _ in entries]
-    if len(set(lengths)) == 1:
-        groups = [list(range(layer.num_heads))]
-    else:
-        groups = [[h] for h in range(layer.num_heads)]
+    groups = _stage_groups(layer)
     parts = []
-    for heads in groups:
-        n = lengths[heads[0]]
-        keys = torch.stack([entries[h][0] for h in heads])
-        values = torch.stack([entries[h][1] for h in heads])
+    for heads, keys, values in groups:
+        n = keys.shape[1]
         obs = state.statistics.observation(
             heads, keys, values, scale=scale, layer_idx=layer.layer_idx, rank=layer.rank
         )
