@@ -237,11 +237,15 @@ class DecodeStatistics:
             return None
         self._flush()
         g = self.group
-        rows = torch.cat([torch.arange(h * g, (h + 1) * g) for h in heads]).to(self.sums.device)
-        acc = self.sums[:, rows, :n]
-        if self.weighting == "harmonic":
-            acc = _rates(acc.device)[2].view(-1, 1, 1) * acc
-        return acc.sum(0).float()
+        if list(heads) == list(range(len(self.lengths))):  # every head: no gather
+            acc = self.sums[:, :, :n]
+        else:
+            rows = torch.cat([torch.arange(h * g, (h + 1) * g) for h in heads])
+            acc = self.sums[:, rows.to(self.sums.device), :n]
+        if self.weighting == "harmonic":  # sum_k c_k acc_k, one product
+            coef = _rates(acc.device)[2].view(1, -1)
+            return torch.matmul(coef, acc.reshape(acc.shape[0], -1)).view(-1, n).float()
+        return acc[0].float()
 
     def observation(
         self,
