@@ -12,8 +12,15 @@ keeps, per KV head and aligned with those entries, what the scores of S2 read:
   so it is written as a sum of exponentials ``1/x ~ sum_k c_k exp(-s_k x)`` (a Riemann sum of
   ``1/x = int_0^inf exp(-x s) ds`` on a geometric grid of rates ``s_k``): one decaying
   accumulator per rate, exact online; ``harmonic_kernel`` is within 0.1 % of ``1/x`` for
-  ``x`` in ``1..10^4``.
+  ``x`` in ``1..10^4``. The rows are the decode attention's own probabilities (handed over by
+  ``probkv.hf.attention``, not recomputed); they wait in a buffer of ``PENDING_ROWS`` rows and
+  enter the sums when these are read (a stage) or the buffer is full: ``m`` rows decay every
+  accumulator once by ``exp(-s_k m)`` and add ``sum_r exp(-s_k (m - r)) p_r`` in one matrix
+  product, the same sum as ``m`` one-row updates in another order.
 - ``queries``: the latest decode query rows (SnapKV's window, TOVA's and ``min``'s last row).
+- ``last_attention``: the latest row's group-mean attention, for the stage's observation; a
+  score without column sums (StreamingLLM, K-norm, TOVA, SnapKV) receives probabilities only
+  on the step that starts a stage.
 
 Entries are indexed as the layer holds them (prefix, then tail): scores that read positions
 (StreamingLLM's sinks and recency, SnapKV's window) see the entries in position order, which
@@ -211,7 +218,7 @@ class DecodeStatistics:
 
     def _accumulate(self, rows: torch.Tensor) -> None:
         """Add ``rows [m, Hq, n]`` (oldest first) to the column sums, in place (S2 weights,
-        module docstring): at the end of the last row, row ``r`` is at distance ``m - r``, so
+        module docstring): at the last row, row ``r`` (0 the oldest) is at distance ``m - r``, so
         every accumulator decays by ``exp(-s m)`` and takes ``sum_r exp(-s (m - r)) p_r``,
         one matrix product for every rate."""
         m, hq, n = rows.shape
