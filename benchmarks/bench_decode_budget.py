@@ -1,7 +1,7 @@
 """Decode throughput held to a budget vs the full cache, side by side (S10.5, issue 12).
 
 Teacher-forced decoding of ``--tokens`` tokens of probkv's seeded English prose after a
-``--prompt`` token prompt, into three caches fed the same token at every step, in turn
+``--prompt`` token prompt, into several caches fed the same token at every step, in turn
 (so that a busy machine slows them alike): transformers' ``DynamicCache`` (SDPA), probkv's
 cache without eviction (``full``), and probkv's cache held to ``--budget`` entries per KV
 head, re-evicted every ``--every`` (``ProbKVCache(max_entries=B, every=K)``) with each
