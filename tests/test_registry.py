@@ -127,7 +127,9 @@ def test_python_api_and_names_agree():
         ("prob:snapkv/core=0.50", "prob:snapkv/core=0.5"),
         ("prob:h2o/order=random/block=8", "prob:h2o"),
         ("prob:h2o/order=position/block=1", "prob:h2o/block=1/order=position"),
-        ("prob:h2o/core=0/block=8/order=random/pool=1", "prob:h2o"),
+        ("prob:h2o/core=0.5/block=8/order=random/pool=1", "prob:h2o"),
+        ("prob:h2o/core=0/block=8/order=random/pool=1", "prob:h2o/core=0"),
+        ("prob:knorm/core=0/block=8/order=random/pool=1", "prob:knorm"),
         ("prob:min-h/core=1.0/pool=5", "prob:min-h/core=1/pool=5"),
         ("snapkv/pool=3", "snapkv/pool=3"),
         ("topk:h2o/pool=1", "h2o"),
@@ -309,16 +311,33 @@ def test_prob_kvzip_budget_is_global_by_default():
     assert ProbabilisticPolicy(score="kvzip").scope == "global"
     for name in ("prob:kvzip", "prob:kvzip/scope=head", "prob:h2o/scope=global"):
         assert method_name(parse_method(name, 0.5)) == name
-    assert [s for s in SCORE_NAMES if scores.budget_scope(s) == "global"] == ["kvzip"]
+    global_scores = [s for s in SCORE_NAMES if scores.budget_scope(s) == "global"]
+    assert global_scores == ["kvzip", "h2o-rec", "min-rec"]  # the reconstruction scores
 
 
-def test_prob_kvzip_core_default_follows_the_sampler():
-    """S10.2: prob:kvzip's pps keeps a core of half its budget by default (measured,
-    docs/evaluation.md); the with-replacement sampler has no core; the others default to 0."""
-    assert parse_method("prob:kvzip").core == 0.5
-    assert parse_method("prob:kvzip/sampler=with_replacement").core == 0.0
+def test_prob_core_defaults_follow_the_score_and_the_sampler():
+    """S10.2: each score's pps core by default, as measured in docs/evaluation.md ("A
+    deterministic core for every score"); the with-replacement sampler has no core."""
+    measured = {
+        "h2o": 0.5,
+        "h2o-h": 0.5,
+        "min": 0.5,
+        "min-h": 0.5,
+        "snapkv": 0.0,
+        "tova": 0.9,
+        "knorm": 0.0,
+        "streaming_llm": 0.9,
+        "uniform": 0.0,
+        "kvzip": 0.5,
+        "h2o-rec": 0.5,
+        "min-rec": 0.5,
+    }
+    assert {s: scores.prob_core(s) for s in SCORE_NAMES} == measured
+    for score, core in measured.items():
+        assert parse_method(f"prob:{score}").core == core
+        assert parse_method(f"prob:{score}/sampler=with_replacement").core == 0.0
+        assert method_name(parse_method(f"prob:{score}/core=0.25")) == f"prob:{score}/core=0.25"
     assert parse_method("prob:snapkv").core == 0.0
-    assert [s for s in SCORE_NAMES if scores.prob_core(s) > 0] == ["kvzip"]
     names = ("prob:kvzip/core=0", "prob:kvzip/sampler=with_replacement", "prob:kvzip/core=1")
     for name in names:
         assert method_name(parse_method(name, 0.75)) == name
@@ -353,7 +372,8 @@ def test_kvzip_names():
         "ada_kvzip/layer_budgets=global": "ada_kvzip/layer_budgets=global",
         "topk:kvzip": "topk:kvzip",
         "prob:kvzip/chunk_tokens=512/sinks=0": "prob:kvzip/chunk_tokens=512/sinks=0",
-        "prob:min-rec/scope=global": "prob:min-rec/scope=global",
+        "prob:min-rec/scope=global": "prob:min-rec",
+        "prob:min-rec/scope=head": "prob:min-rec/scope=head",
         "topk:h2o-rec": "topk:h2o-rec",
         "snapkv/layer_budgets=global": "snapkv/layer_budgets=global",
     }

@@ -145,10 +145,14 @@ class ScoreSpec:
     prefill seen in chunks keeps just these rows (``probkv.observation.PrefillStatistics``).
     ``budget_scope``: the scope of ``prob:<score>``'s budget by default, ``"head"`` (each KV
     head keeps 1 - r) or ``"global"`` (heads of all layers compete on the score's scale, S9;
-    KVzip's own design, so its scores' default); ``"global"`` needs ``attention_scale``.
+    KVzip's own design, so the default of the reconstruction scores); ``"global"`` needs
+    ``attention_scale``.
     ``prob_core``: the deterministic core of ``prob:<score>``'s pps by default (S10.2), from
-    probkv's measurements (docs/evaluation.md): 0.5 for ``kvzip``, whose top entries are the
-    ones later questions need; 0 (pure pps) for the others.
+    probkv's measurements (docs/evaluation.md, "A deterministic core for every score"): 0.5
+    for the attention-statistics scores (``h2o``, ``h2o-h``, ``min``, ``min-h``) and the
+    reconstruction scores, whose top entries are the ones later questions need; 0.9 for
+    ``tova`` and ``streaming_llm``, which rank by one query or by position (any thinning of
+    their recent run loses answers); 0 (pure pps) for ``snapkv``, ``knorm`` and ``uniform``.
     """
 
     function: Callable[..., Scores]
@@ -203,7 +207,12 @@ _COLUMN_SUM_INPUTS = ("query", "key", "scale", "column_sums", "chunk_size")
 #: mass for Ada-KV's comparison across heads), the function S2's group mixture.
 SCORE_TABLE: dict[str, ScoreSpec] = {
     "h2o": ScoreSpec(
-        h2o, _COLUMN_SUM_INPUTS, {"alpha": _ALPHA}, column_sums="uniform", attention_scale=True
+        h2o,
+        _COLUMN_SUM_INPUTS,
+        {"alpha": _ALPHA},
+        column_sums="uniform",
+        attention_scale=True,
+        prob_core=0.5,
     ),
     "h2o-h": ScoreSpec(
         h2o_harmonic,
@@ -211,9 +220,14 @@ SCORE_TABLE: dict[str, ScoreSpec] = {
         {"alpha": _ALPHA},
         column_sums="harmonic",
         attention_scale=True,
+        prob_core=0.5,
     ),
     "min": ScoreSpec(
-        min_variance, ("query", "key", "value", "scale"), {"alpha": _ALPHA}, attention_scale=True
+        min_variance,
+        ("query", "key", "value", "scale"),
+        {"alpha": _ALPHA},
+        attention_scale=True,
+        prob_core=0.5,
     ),
     "min-h": ScoreSpec(
         min_variance_harmonic,
@@ -221,6 +235,7 @@ SCORE_TABLE: dict[str, ScoreSpec] = {
         {"alpha": _ALPHA},
         column_sums="harmonic",
         attention_scale=True,
+        prob_core=0.5,
     ),
     "snapkv": ScoreSpec(
         snapkv,
@@ -235,9 +250,11 @@ SCORE_TABLE: dict[str, ScoreSpec] = {
         attention_scale=True,
         last_rows="window",
     ),
-    "tova": ScoreSpec(tova, ("query", "key", "scale"), attention_scale=True),
+    "tova": ScoreSpec(tova, ("query", "key", "scale"), attention_scale=True, prob_core=0.9),
     "knorm": ScoreSpec(knorm, ("key",)),
-    "streaming_llm": ScoreSpec(streaming_llm, ("t", "num_kv_heads", "device"), {"sinks": _SINKS}),
+    "streaming_llm": ScoreSpec(
+        streaming_llm, ("t", "num_kv_heads", "device"), {"sinks": _SINKS}, prob_core=0.9
+    ),
     "uniform": ScoreSpec(uniform, ("t", "num_kv_heads", "device")),
     # S10.1: read from the reconstruction pass (KVzip); 4 sinks as kvpress, KVzip's chunks
     "kvzip": ScoreSpec(
@@ -255,6 +272,8 @@ SCORE_TABLE: dict[str, ScoreSpec] = {
         {"sinks": _SINKS, "chunk_tokens": _CHUNK_TOKENS, "alpha": _ALPHA},
         attention_scale=True,
         source="reconstruction",
+        budget_scope="global",
+        prob_core=0.5,
     ),
     "min-rec": ScoreSpec(
         min_reconstruction,
@@ -262,6 +281,8 @@ SCORE_TABLE: dict[str, ScoreSpec] = {
         {"sinks": _SINKS, "chunk_tokens": _CHUNK_TOKENS, "alpha": _ALPHA},
         attention_scale=True,
         source="reconstruction",
+        budget_scope="global",
+        prob_core=0.5,
     ),
 }
 

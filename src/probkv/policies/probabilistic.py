@@ -49,7 +49,8 @@ class ProbabilisticPolicy(EvictionPolicy):
 
     - ``scope``: ``"head"`` (every KV head keeps 1 - r of its entries in expectation) or
       ``"global"`` (one number of samples / one pps scale for all heads of all layers, S3, S9);
-      default: the score's ``budget_scope`` (``"global"`` for ``kvzip``, ``"head"`` else).
+      default: the score's ``budget_scope`` (``"global"`` for the reconstruction scores
+      ``kvzip``, ``h2o-rec``, ``min-rec``; ``"head"`` else).
       With pps, global heads compete on the score's own scale: scores on the attention scale
       weigh each head's proposal by its attention mass ``m_h`` (``P = min(1, lam m_h pi)``, pps
       over the raw scores at ``proposal_tau = 1``) and the global core is the top of the raw
@@ -67,8 +68,9 @@ class ProbabilisticPolicy(EvictionPolicy):
     - ``pool``: max-pool the log-scores over positions with this odd kernel before they become
       the proposal (S10; 1 = none), so a needle's neighbours share its score.
     - Span-preserving pps designs (S10.2-S10.4; ``sampler="pps"`` only; defaults: blocks of 8
-      in random order, and the score's ``prob_core``, 0.5 for ``kvzip`` and 0 for the others,
-      from docs/evaluation.md): ``core`` = f in [0, 1], per head the ``floor(f b)`` entries of largest proposal
+      in random order, and the score's ``prob_core``: 0.5 for the attention-statistics and
+      reconstruction scores, 0.9 for ``tova`` and ``streaming_llm``, 0 for ``snapkv``,
+      ``knorm`` and ``uniform``, from docs/evaluation.md): ``core`` = f in [0, 1], per head the ``floor(f b)`` entries of largest proposal
       (``b`` = budget after forced entries; ties by the score, then the later position) are
       kept with weight 1 and the rest of the budget is pps over the other entries (``core=1``
       is the top-k method of ``score``); ``block`` = entries per sampling unit (runs of
@@ -93,7 +95,7 @@ class ProbabilisticPolicy(EvictionPolicy):
     """
 
     score: str = "snapkv"
-    scope: str | None = None  # None: the score's budget_scope ("global" for kvzip)
+    scope: str | None = None  # None: the score's budget_scope ("global": reconstruction)
     sampler: str = "pps"
     weights: str = "inclusion"
     tau: float = 1.0
