@@ -220,6 +220,17 @@ def tiny_tokenizer():
     )
 
 
+def save_tiny_model_folder(
+    folder: str | os.PathLike[str], arch: str = "llama", **model_kwargs: Any
+) -> Path:
+    """Save ``tiny_model(arch, **model_kwargs)`` and ``tiny_tokenizer()`` into ``folder`` (a
+    Hugging Face model folder any probkv command can load) and return its path."""
+    folder = Path(folder)
+    tiny_model(arch, **model_kwargs).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
 def _llama_rope_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """llama.cpp's storage order of a query/key projection (rows of each head interleaved);
     transformers undoes it when loading a GGUF."""

@@ -14,7 +14,7 @@ import pytest
 from probkv.eval import generate_examples, write_examples
 from probkv.eval.config import RunConfig
 from probkv.eval.plan import job_key
-from probkv.testing import tiny_model, tiny_tokenizer
+from probkv.testing import save_tiny_model_folder, tiny_tokenizer
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -91,9 +91,7 @@ TIMING = ("prefill_s", "decode_s", "shared_prefill")
 @pytest.fixture(scope="session")
 def tiny_gemma_dir(tmp_path_factory) -> str:
     folder = tmp_path_factory.mktemp("tiny-gemma3")
-    tiny_model("gemma3", max_position_embeddings=4096).save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
-    return str(folder)
+    return str(save_tiny_model_folder(folder, "gemma3", max_position_embeddings=4096))
 
 
 def _make_examples(num: int = 2, max_new_tokens: int = 4, seed: int = 0):

@@ -16,7 +16,7 @@ from probkv.eval.attention_error_cli import float_list, format_table
 from probkv.eval.paper_prompt import PAPER_QUESTION, PAPER_TEXT
 from probkv.hf import compress, observe, prepare_model
 from probkv.policies import ProbabilisticPolicy, TopKPolicy, parse_method
-from probkv.testing import tiny_model, tiny_tokenizer
+from probkv.testing import save_tiny_model_folder, tiny_model, tiny_tokenizer
 
 torch.set_num_threads(1)
 
@@ -459,9 +459,7 @@ def test_cli_end_to_end_on_a_tiny_model_folder(tmp_path, capsys):
     the model in bfloat16 (recorded in the header)."""
     from probkv import cli
 
-    folder = tmp_path / "tiny"
-    tiny_model("qwen2").save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
+    folder = save_tiny_model_folder(tmp_path / "tiny", "qwen2")
     text = tmp_path / "prompt.txt"
     text.write_text("The river is wide. " * 3, encoding="utf-8")
     out = tmp_path / "res" / "errors.json"

@@ -10,7 +10,7 @@ from probkv.eval.plan import plan_units
 from probkv.eval.store import RESULTS_FILE, SUMMARY_MD
 from probkv.eval.summary import summarize
 from probkv.models import DEFAULT_MODEL
-from probkv.testing import tiny_model, tiny_tokenizer
+from probkv.testing import save_tiny_model_folder
 
 torch.set_num_threads(1)
 
@@ -61,9 +61,7 @@ def test_demo_table():
 
 
 def test_run_demo_on_a_tiny_model(tmp_path, capsys):
-    folder = tmp_path / "tiny"
-    tiny_model("llama", max_position_embeddings=4096).save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
+    folder = save_tiny_model_folder(tmp_path / "tiny", "llama", max_position_embeddings=4096)
     out = tmp_path / "demo-out"
     runs = demo.run_demo(out, model=str(folder), workers=1, length=500, per_task=1, progress=False)
     assert [(r.setting, r.question_aware) for r in runs] == list(demo.DEMO_SETTINGS)
