@@ -12,10 +12,11 @@ run:
   (``prob:min-h`` corrected and not, ``topk:min-h``), each against its *ideal*: a plain cache
   (SDPA + DynamicCache) holding as many entries as the evicted cache keeps per KV head (a
   prompt of that length), decoded over the same steps. The variants of one ratio and the full
-  cache are decoded round-robin, one step each in turn, so machine noise hits them alike;
-  the median step is reported, with measured / ideal (the cost of the ragged layout and the
+  cache are decoded round-robin, one step each in turn and the order rotating every round, so
+  machine noise and order effects hit them alike; the median step is reported, with measured / ideal (the cost of the ragged layout and the
   correction) and its inverse, the fraction of the ideal speed (target >= 0.9); the
-  correction's cost as a share of an uncorrected step (target <= 3%); and the speed-up over
+  correction's cost as a share of an uncorrected step (target <= 3%), also as the median of
+  the per-round paired ratios with a bootstrap interval; and the speed-up over
   the full cache (``--no-decode`` skips this part);
 - cache bytes of every variant and their ratio to the full cache.
 
@@ -24,7 +25,7 @@ was measured faster than two in one process. Absolute times depend on the machin
 ``--dtype`` (default auto, :mod:`probkv.dtypes`) is the model's dtype.
 
     .venv/bin/python benchmarks/bench_integration.py [--lengths 2048,4096,8192]
-        [--decode-tokens 32] [--repeats 2] [--scores all] [--no-prefill | --no-decode] [--dtype auto]
+        [--decode-tokens 32] [--ratios 0.5,0.75] [--repeats 2] [--scores all] [--no-prefill | --no-decode] [--dtype auto]
 """
 
 from __future__ import annotations
@@ -92,23 +93,39 @@ def kept_per_head(cache: ProbKVCache) -> int:
 
 
 @torch.no_grad()
-def decode_round_robin(model, variants: dict, token, steps: int) -> dict[str, float]:
-    """Median milliseconds per greedy decode step of every ``name: (cache, evicting)``,
-    decoded one step each in turn (the attention implementation is switched outside the
-    timed call: probkv's for a ProbKVCache, SDPA for a plain cache)."""
+def decode_round_robin(model, variants: dict, token, steps: int) -> dict[str, list[float]]:
+    """Milliseconds of every greedy decode step of every ``name: (cache, evicting)``, decoded
+    one step each in turn. The order rotates every round, so each variant follows every
+    other equally often (a fixed order let the variant after the full cache's SDPA step pay
+    for it); the attention implementation is switched outside the timed call: probkv's for a
+    ProbKVCache, SDPA for a plain cache."""
     tokens = dict.fromkeys(variants, token)
     times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(steps):
-        for name, (cache, evicting) in variants.items():
+    names = list(variants)
+    for step in range(steps):
+        shift = step % len(names)
+        for name in names[shift:] + names[:shift]:
+            cache, evicting = variants[name]
             if evicting:
                 prepare_model(model)
             else:
                 model.set_attn_implementation("sdpa")
             start = time.perf_counter()
             out = model(input_ids=tokens[name], cache=cache, use_cache=True)
-            times[name].append(time.perf_counter() - start)
+            times[name].append(1000 * (time.perf_counter() - start))
             tokens[name] = out.logits[:, -1:].argmax(-1)
-    return {name: 1000 * statistics.median(t) for name, t in times.items()}
+    return times
+
+
+def paired_cost(slower: list[float], faster: list[float], resamples: int = 2000):
+    """Median over rounds of ``slower / faster - 1`` (steps of one round ran back to back,
+    so load drifts cancel) and a 95% bootstrap interval of that median (seeded)."""
+    ratios = torch.tensor(slower, dtype=torch.float64) / torch.tensor(faster, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(0)
+    picks = torch.randint(len(ratios), (resamples, len(ratios)), generator=gen)
+    medians = ratios[picks].median(dim=1).values.sort().values
+    low, high = medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
+    return ratios.median().item() - 1, low.item() - 1, high.item() - 1
 
 
 def bench_prefill(model, ids, methods: list[str], repeats: int, prompt) -> None:
@@ -130,12 +147,12 @@ def bench_prefill(model, ids, methods: list[str], repeats: int, prompt) -> None:
         )
 
 
-def bench_decode(model, ids, steps: int) -> None:
+def bench_decode(model, ids, steps: int, ratios=RATIOS) -> None:
     _, full_cache, token = plain_prefill(model, ids)
     full_bytes = cache_bytes(full_cache)
     prepare_model(model)
     observed = observe(model, ids, "min-h")
-    for ratio in RATIOS:
+    for ratio in ratios:
         variants: dict[str, tuple] = {"full": (copy.deepcopy(full_cache), False)}
         nbytes, kept = {}, {}
         for method in DECODE_METHODS:
@@ -146,7 +163,8 @@ def bench_decode(model, ids, steps: int) -> None:
         # The ideal of each variant: a plain cache of as many entries per KV head.
         for n in sorted(set(kept.values())):
             variants[f"ideal {n}"] = (plain_prefill(model, ids[:, :n])[1], False)
-        ms = decode_round_robin(model, variants, token, steps)
+        times = decode_round_robin(model, variants, token, steps)
+        ms = {name: statistics.median(t) for name, t in times.items()}
         full_ms = ms["full"]
         print(
             f"r={ratio}: decode full cache ({ids.shape[1]} entries) {full_ms:.1f} ms/token, "
@@ -162,8 +180,11 @@ def bench_decode(model, ids, steps: int) -> None:
                 "of full)"
             )
         corr, unc = ms["prob:min-h"], ms["prob:min-h/correct=false"]
+        cost, low, high = paired_cost(times["prob:min-h"], times["prob:min-h/correct=false"])
         print(
-            f"  r={ratio} correction cost: {100 * (corr - unc) / unc:+.1f}% of an uncorrected step"
+            f"  r={ratio} correction cost: {100 * (corr - unc) / unc:+.1f}% of an uncorrected "
+            f"step (ratio of medians); paired per round {100 * cost:+.1f}% "
+            f"(95% bootstrap interval {100 * low:+.1f}% to {100 * high:+.1f}%, {steps} rounds)"
         )
         del variants
     del observed, full_cache
@@ -175,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", default="2048,4096,8192")
     parser.add_argument("--repeats", type=int, default=2, help="prefill repeats (best of)")
     parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument(
+        "--ratios", default=",".join(map(str, RATIOS)), help="decode compression ratios"
+    )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
     parser.add_argument(
@@ -203,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_prefill:
             bench_prefill(model, ids, methods, args.repeats, prompt)
         if not args.no_decode:
-            bench_decode(model, ids, args.decode_tokens)
+            ratios = [float(x) for x in args.ratios.split(",")]
+            bench_decode(model, ids, args.decode_tokens, ratios)
     return 0
 
 

@@ -24,6 +24,18 @@ def test_every_score_and_the_decode_ideal(load_benchmark, tiny_dir, capsys):
     assert out.count("prefill+scoring+evict") == len(SCORE_NAMES) + 3
     assert out.count("measured/ideal") == 6  # 2 ratios x 3 decode variants
     assert out.count("correction cost") == 2
+    assert out.count("paired per round") == 2
+
+
+def test_paired_cost_is_the_median_per_round_ratio(load_benchmark):
+    paired_cost = load_benchmark("bench_integration").paired_cost
+    faster = [10.0, 20.0, 40.0, 15.0, 30.0]
+    cost, low, high = paired_cost([1.1 * x for x in faster], faster)
+    assert cost == pytest.approx(0.1) and low == pytest.approx(0.1) and high == pytest.approx(0.1)
+    # one round slowed by the machine does not move the paired median
+    slower = [10.0, 20.0, 40.0, 15.0, 300.0]
+    cost, low, high = paired_cost(slower, faster)
+    assert cost == 0.0 and low == 0.0 and 0.0 <= high <= 9.0
 
 
 def test_unknown_score_is_refused(load_benchmark, tiny_dir):
