@@ -9,15 +9,16 @@ run:
   for ``snapkv``, ``prob:min-h`` and ``prob:min-h/scope=global`` (variants alternated, best of
   ``--repeats``; ``--scores`` narrows the list, ``--no-prefill`` skips this part);
 - decode milliseconds per token with the full cache and after eviction at r = 0.5 and 0.75
-  (``prob:min-h`` corrected and not, ``topk:min-h``), each against its *ideal*: a plain cache
-  (SDPA + DynamicCache) holding as many entries as the evicted cache keeps per KV head (a
-  prompt of that length), decoded over the same steps. The variants of one ratio and the full
-  cache are decoded round-robin, one step each in turn and the order rotating every round, so
-  machine noise and order effects hit them alike; the median step is reported, with measured / ideal (the cost of the ragged layout and the
-  correction) and its inverse, the fraction of the ideal speed (target >= 0.9); the
-  correction's cost as a share of an uncorrected step (target <= 3%), also as the median of
-  the per-round paired ratios with a bootstrap interval; and the speed-up over
-  the full cache (``--no-decode`` skips this part);
+  (``--ratios``; ``prob:min-h`` corrected and not, ``topk:min-h``), each against its *ideal*:
+  a plain cache (SDPA + DynamicCache) holding as many entries as the evicted cache keeps per
+  KV head (a prompt of that length), decoded over the same steps. The variants of one ratio
+  and the full cache are decoded round-robin, one step each in turn and the order rotating
+  every round, so machine noise and order effects hit them alike; the median step is
+  reported, with measured / ideal (the cost of the ragged layout and the correction) and its
+  inverse, the fraction of the ideal speed (target >= 0.9); the correction's cost as a share
+  of an uncorrected step (target <= 3%), also as the median of the per-round paired ratios
+  with a bootstrap interval; and the speed-up over the full cache (``--no-decode`` skips
+  this part);
 - cache bytes of every variant and their ratio to the full cache.
 
 Threads: one torch thread by default (``--threads``); on the 2-core VMs one thread per process
@@ -25,7 +26,8 @@ was measured faster than two in one process. Absolute times depend on the machin
 ``--dtype`` (default auto, :mod:`probkv.dtypes`) is the model's dtype.
 
     .venv/bin/python benchmarks/bench_integration.py [--lengths 2048,4096,8192]
-        [--decode-tokens 32] [--ratios 0.5,0.75] [--repeats 2] [--scores all] [--no-prefill | --no-decode] [--dtype auto]
+        [--decode-tokens 32] [--ratios 0.5,0.75] [--repeats 2] [--scores all]
+        [--no-prefill | --no-decode] [--dtype auto]
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import time
 import torch
 from transformers import DynamicCache
 
+from probkv.cli_args import ratio_list
 from probkv.dtypes import DTYPE_CHOICES, MODEL_DTYPES, resolve_dtype_name
 from probkv.hf import ProbKVCache, compress, observe, prepare_model, repeat_prompt
 from probkv.models import load_model
@@ -197,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2, help="prefill repeats (best of)")
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument(
-        "--ratios", default=",".join(map(str, RATIOS)), help="decode compression ratios"
+        "--ratios", type=ratio_list, default=list(RATIOS), help="decode compression ratios"
     )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
@@ -227,8 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_prefill:
             bench_prefill(model, ids, methods, args.repeats, prompt)
         if not args.no_decode:
-            ratios = [float(x) for x in args.ratios.split(",")]
-            bench_decode(model, ids, args.decode_tokens, ratios)
+            bench_decode(model, ids, args.decode_tokens, args.ratios)
     return 0
 
 
