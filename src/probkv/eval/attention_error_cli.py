@@ -121,6 +121,194 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     )
     add_dtype_argument(parser)
     parser.set_defaults(handler=run_attention_error)
+    add_task_command(subparsers)
+
+
+def add_task_command(subparsers: argparse._SubParsersAction) -> None:
+    """``task-attention-error``: whole methods on the examples ``probkv eval`` runs."""
+    from probkv.cli_args import comma_list, length_list, ratio_list
+    from probkv.models import DEFAULT_MODEL
+
+    parser = subparsers.add_parser(
+        "task-attention-error",
+        help="attention error of whole methods (kvzip, prob:kvzip, ...) on task examples",
+        description=(
+            "For each example (generated --tasks or a --data file, split as probkv eval splits "
+            "it), method, ratio and seed: evict the context through the integration, teacher "
+            "force the question and the full model's greedy answer, and average the per-head "
+            "attention error (S7, Eq. 11, compounded across layers and tokens) over the "
+            "question's and the answer's tokens. See probkv.eval.method_attention_error."
+        ),
+    )
+    parser.add_argument(
+        "--model", default=DEFAULT_MODEL, help=f"name, .gguf or folder (default {DEFAULT_MODEL})"
+    )
+    parser.add_argument(
+        "--methods",
+        type=comma_list,
+        required=True,
+        help="comma-separated eviction method names as probkv eval takes them (not full)",
+    )
+    parser.add_argument(
+        "--ratios", type=ratio_list, default=[0.5, 0.75, 0.9], help="default 0.5,0.75,0.9"
+    )
+    parser.add_argument(
+        "--seeds",
+        type=positive_int,
+        default=3,
+        help="seeds 0..K-1 of the sampled methods (default 3)",
+    )
+    parser.add_argument("--out", type=Path, required=True, help="results JSON file")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--data", help="JSONL file (probkv's format or LongBench's)")
+    source.add_argument("--tasks", type=comma_list, help="generated task names, comma-separated")
+    parser.add_argument(
+        "--data-format",
+        choices=("auto", "probkv", "longbench"),
+        default="auto",
+        help="format of --data (default: detected)",
+    )
+    parser.add_argument("--lengths", type=length_list, help="prompt lengths for --tasks")
+    parser.add_argument(
+        "--per-task", type=positive_int, default=3, help="examples per task and length (default 3)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="task generation seed (default 0)")
+    parser.add_argument(
+        "--question-aware",
+        action="store_true",
+        help="evict after context + question (default: before the question is seen)",
+    )
+    parser.add_argument(
+        "--max-examples", type=positive_int, help="only the first N examples (after loading)"
+    )
+    parser.add_argument(
+        "--answer-tokens",
+        type=positive_int,
+        default=16,
+        help="greedy answer tokens of the full model teacher forced after the question "
+        "(default 16)",
+    )
+    add_dtype_argument(parser)
+    parser.set_defaults(handler=run_task_attention_error)
+
+
+def run_task_attention_error(args: argparse.Namespace) -> int:
+    """Load the model and the examples, measure each example, write the JSON."""
+    import torch
+
+    from probkv.dtypes import MODEL_DTYPES, resolve_dtype_name
+    from probkv.eval import method_attention_error as mae
+    from probkv.eval.attention_prompts import decode_tokens
+    from probkv.eval.config import RunConfig
+    from probkv.eval.job import job_prompt_ids, split_prompt
+    from probkv.eval.plan import load_run_examples
+    from probkv.hf import prepare_model, repeat_prompt
+    from probkv.models import load_model, max_positions
+
+    mae.validate_methods(args.methods, args.ratios, args.seeds)
+    if args.tasks is not None and args.lengths is None:
+        raise ValueError("--tasks needs --lengths (prompt lengths in tokens), e.g. 2048,4096")
+    if args.data is not None and args.lengths is not None:
+        raise ValueError("--lengths applies to generated --tasks, not to --data")
+    config = RunConfig(  # checks the example source the way probkv eval does
+        model=args.model,
+        methods=tuple(args.methods),
+        ratios=tuple(args.ratios),
+        data=args.data,
+        data_format=args.data_format,
+        tasks=tuple(args.tasks or ()),
+        lengths=tuple(args.lengths or ()),
+        per_task=args.per_task,
+        seed=args.seed,
+        question_aware=args.question_aware,
+        max_examples=args.max_examples,
+        dtype=args.dtype,
+    )
+    check_output_file(args.out, "--out")
+    start = time.perf_counter()
+    dtype = resolve_dtype_name(args.dtype)
+    model, tokenizer = load_model(args.model, dtype=MODEL_DTYPES[dtype])
+    prepare_model(model)
+    examples = load_run_examples(config, tokenizer)
+    rebuild = repeat_prompt(tokenizer)
+    log = lambda message: print(f"[task-attention-error] {message}", file=sys.stderr)  # noqa: E731
+    log(f"{len(examples)} examples; model dtype: {dtype} (--dtype {args.dtype})")
+    rows, prompts = [], []
+    for example in examples:
+        context, question, _ = job_prompt_ids(example, tokenizer, max_positions(model.config))
+        prefilled, fed = split_prompt(context, question, args.question_aware)
+        prompt = ae_prompt(prefilled, fed, example.id)
+        decode = decode_tokens(model, prompt, len(fed) + args.answer_tokens)
+        prompts.append(
+            {
+                "example": example.id,
+                "prompt_tokens": len(prefilled),
+                "fed_tokens": len(fed),
+                "answer_text": tokenizer.decode(list(decode[len(fed) :])),
+            }
+        )
+        rows += mae.measure_method_errors(
+            model,
+            torch.tensor(prefilled),
+            torch.tensor(decode),
+            num_fed=len(fed),
+            methods=args.methods,
+            ratios=args.ratios,
+            seeds=args.seeds,
+            repeat_prompt=rebuild,
+            example=example.id,
+            progress=log,
+        )
+    summary = mae.mean_over_examples(rows)
+    header = {
+        "experiment": "task-attention-error (S7, Eq. 11, compounded; probkv.eval."
+        "method_attention_error)",
+        "model": args.model,
+        "dtype": dtype,
+        "arguments": {
+            "methods": args.methods,
+            "ratios": args.ratios,
+            "seeds": args.seeds,
+            "tasks": args.tasks,
+            "lengths": args.lengths,
+            "per_task": args.per_task,
+            "seed": args.seed,
+            "data": args.data,
+            "question_aware": args.question_aware,
+            "max_examples": args.max_examples,
+            "answer_tokens": args.answer_tokens,
+        },
+        "examples": prompts,
+        "runtime_s": round(time.perf_counter() - start, 2),
+    }
+    write_json(args.out, {"header": header, "rows": rows, "summary": summary})
+    print(format_summary(summary))
+    print(f"wrote {len(rows)} rows ({len(examples)} examples) to {args.out}")
+    return 0
+
+
+def ae_prompt(prefilled, fed, example_id: str):
+    """The example as an ``AttentionPrompt``: the evicted part, then the fed tokens."""
+    from probkv.eval.attention_prompts import AttentionPrompt
+
+    return AttentionPrompt(tuple(prefilled), tuple(fed), f"example:{example_id}", "paper")
+
+
+def format_summary(summary: list[dict]) -> str:
+    """One line per (method, ratio, part): the mean error over examples and, for a
+    ``prob:`` method, on how many examples it was below / above its top-k version."""
+    lines = [f"{'method':<32} {'r':>5} {'part':<9} {'error':>9} {'n':>3}  vs top-k (lower-higher)"]
+    for row in sorted(summary, key=lambda r: (r["part"], r["ratio"], r["method"])):
+        versus = (
+            ""
+            if row["reference"] is None
+            else (f"{row['reference']}: {row['lower']}-{row['higher']}")
+        )
+        lines.append(
+            f"{row['method']:<32} {row['ratio']:>5.2f} {row['part']:<9} {row['mae_mean']:>9.5f} "
+            f"{row['examples']:>3}  {versus}"
+        )
+    return "\n".join(lines)
 
 
 def run_attention_error(args: argparse.Namespace) -> int:

@@ -1,0 +1,226 @@
+"""Attention error of whole methods on task examples (S7; issue 10).
+
+:mod:`probkv.eval.attention_error` measures estimators of one proposal on one prompt, from the
+prefill's own statistics. This module measures any method name that ``probkv eval`` takes
+(``kvzip``, ``prob:kvzip/core=0.75``, ``snapkv``, ...) on the examples ``probkv eval`` runs,
+through the same integration path as the task scores:
+
+- The example's prompt is split as a job splits it (``probkv.eval.job``): question-agnostic,
+  the context ``x`` is prefilled and evicted, then the question's tokens are fed;
+  question-aware, everything but the last prompt token is evicted. The decode tokens
+  ``d_1..d_N`` are the fed tokens, then the full-cache model's greedy answer
+  (``answer_tokens`` of them, end-of-sequence suppressed).
+- One full-cache forward over ``x, d_1..d_N`` is captured (the reference). The context is
+  observed once per score (``probkv.hf.observe``, with the reconstruction pass for ``kvzip``,
+  ``h2o-rec``, ``min-rec``), copied and evicted once per (method, ratio, seed), exactly as the
+  eval's units do; then ``d_1..d_N`` are teacher forced through the evicted model in one
+  forward (causal: the same as one token at a time, tested).
+- Error of a token: per query head of every evicted layer, ``mean_k |o[k] - o_hat[k]|`` over
+  the head dimension (Eq. 11), averaged over all those heads. Errors compound: each layer
+  reads what the evicted layers below it computed, each token what the evicted model wrote.
+  A row averages the token errors of one ``part`` of ``d``: ``question`` (the fed tokens),
+  ``answer`` (the greedy answer) or ``all``.
+
+Rows (``METHOD_ROW_FIELDS``): per example, method, ratio and part, the mean over seeds of the
+per-seed error (``mae_mean``), its population standard deviation (``mae_std``; 0 for
+deterministic methods, run once), the effective ratio (S3, mean over seeds), the number of
+heads averaged and of tokens in the part. Sampled methods (``ProbabilisticPolicy``) run with
+``seed = 0..seeds-1`` in place of their own seed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Callable, Sequence
+
+import torch
+
+from probkv._checks import check_positive_int, check_ratio
+from probkv.eval.attention_error import _as_ids, evicting_layers
+from probkv.policies import EvictionPolicy, FullCache, ProbabilisticPolicy, parse_method
+
+PARTS = ("question", "answer", "all")
+#: Keys of every result row, in this order.
+METHOD_ROW_FIELDS = (
+    "example",
+    "method",
+    "ratio",
+    "part",
+    "mae_mean",
+    "mae_std",
+    "effective_ratio",
+    "num_heads",
+    "tokens",
+    "seeds",
+)
+
+
+def validate_methods(methods: Sequence[str], ratios: Sequence[float], seeds: int) -> list[str]:
+    """Check method names (``parse_method``, which names a bad one), ratios and seeds before
+    any work; ``full`` is refused (it is the reference: its error is 0 by definition)."""
+    methods = [m.strip() for m in methods if m.strip()]
+    if not methods:
+        raise ValueError("methods must name at least one method, e.g. kvzip,prob:kvzip")
+    for method in methods:
+        if isinstance(parse_method(method, ratio=0.5), FullCache):
+            raise ValueError(
+                f"method {method!r} is the full cache, the reference of every error; "
+                "give eviction methods only"
+            )
+    repeated = sorted({m for m in methods if methods.count(m) > 1})
+    if repeated:
+        raise ValueError(f"methods lists {', '.join(repeated)} twice; give each once")
+    ratios = [check_ratio(r, "ratios") for r in ratios]
+    if not ratios or any(r == 0 for r in ratios):
+        raise ValueError(f"ratios must be in (0, 1) and not empty, got {list(ratios)}")
+    check_positive_int(seeds, "seeds")
+    return methods
+
+
+def policy_seeds(policy: EvictionPolicy, seeds: int) -> list[EvictionPolicy]:
+    """The policies one (method, ratio) runs: ``seeds`` copies with ``seed = 0..seeds-1`` for a
+    sampled method, the policy itself once for a deterministic one."""
+    if isinstance(policy, ProbabilisticPolicy):
+        return [dataclasses.replace(policy, seed=s) for s in range(seeds)]
+    return [policy]
+
+
+@torch.no_grad()
+def token_errors(model, cache, decode: torch.Tensor, reference, layers) -> torch.Tensor:
+    """``[N]``: the error of each of the ``N`` decode tokens teacher forced in one forward
+    through ``cache`` (evicted), against ``reference[i] [Hq, N, d_v]`` of layer ``layers[i]``;
+    averaged over every query head of the evicted layers (module docstring)."""
+    from probkv import hf  # transformers, imported on use
+
+    captures = hf.capture_attention(model, decode, cache=cache, keep_tensors=False)
+    per_layer = [
+        (ref.float() - captures[i].output.float()).abs().mean(-1)  # [Hq, N]
+        for ref, i in zip(reference, layers)
+    ]
+    return torch.cat(per_layer).mean(0)
+
+
+@torch.no_grad()
+def measure_method_errors(
+    model,
+    context_ids: Sequence[int] | torch.Tensor,
+    decode_ids: Sequence[int] | torch.Tensor,
+    *,
+    num_fed: int,
+    methods: Sequence[str],
+    ratios: Sequence[float],
+    seeds: int = 3,
+    repeat_prompt=None,
+    example: str = "",
+    progress: Callable[[str], None] | None = None,
+) -> list[dict]:
+    """The rows of one example (module docstring; keys ``METHOD_ROW_FIELDS``).
+
+    ``context_ids``: the evicted prompt ``x``; ``decode_ids``: ``d_1..d_N``, of which the first
+    ``num_fed`` are the fed prompt tokens (part ``question``) and the rest the answer.
+    ``repeat_prompt``: the reconstruction prompt (``probkv.hf.repeat_prompt(tokenizer)``),
+    needed by the reconstruction scores.
+    """
+    from probkv import hf  # transformers, imported on use
+
+    methods = validate_methods(methods, ratios, seeds)
+    context = _as_ids(context_ids, "context_ids")[0]
+    decode = _as_ids(decode_ids, "decode_ids")[0]
+    n = decode.numel()
+    if not 0 <= num_fed <= n:
+        raise ValueError(f"num_fed must be in [0, {n}] (decode tokens), got {num_fed}")
+    hf.prepare_model(model)
+    t = context.numel()
+    layers = evicting_layers(model)
+    captures = hf.capture_attention(model, torch.cat([context, decode]), keep_tensors=False)
+    reference = [captures[i].output[:, t:] for i in layers]
+    num_heads = sum(r.shape[0] for r in reference)
+    del captures
+    parts = {"question": slice(0, num_fed), "answer": slice(num_fed, n), "all": slice(0, n)}
+    observed: dict[tuple, object] = {}
+    rows: list[dict] = []
+    for method in methods:
+        for ratio in ratios:
+            errors: dict[str, list[float]] = {part: [] for part in PARTS}
+            effective: list[float] = []
+            policies = policy_seeds(parse_method(method, ratio=ratio), seeds)
+            for policy in policies:
+                key = (policy.score, repr(sorted(policy.score_params.items())))
+                if key not in observed:  # one prefill (+ reconstruction) per score
+                    observed[key] = hf.observe(
+                        model,
+                        context.unsqueeze(0),
+                        policy.score,
+                        policy.score_params,
+                        repeat_prompt=repeat_prompt,
+                    )
+                cache = observed[key].copy()
+                cache.evict(policy)
+                per_token = token_errors(model, cache, decode, reference, layers)
+                effective.append(cache.effective_ratio())
+                for part, span in parts.items():
+                    if span.stop > span.start:
+                        errors[part].append(float(per_token[span].mean()))
+            for part in PARTS:
+                values = errors[part]
+                if not values:
+                    continue  # no token in this part (e.g. no answer tokens asked for)
+                row = {
+                    "example": example,
+                    "method": method,
+                    "ratio": ratio,
+                    "part": part,
+                    "mae_mean": statistics.fmean(values),
+                    "mae_std": statistics.pstdev(values) if len(values) > 1 else 0.0,
+                    "effective_ratio": statistics.fmean(effective),
+                    "num_heads": num_heads,
+                    "tokens": parts[part].stop - parts[part].start,
+                    "seeds": len(values),
+                }
+                rows.append({k: row[k] for k in METHOD_ROW_FIELDS})
+            if progress is not None:
+                progress(f"{example or 'example'}: {method} at r = {ratio}: done")
+    return rows
+
+
+def mean_over_examples(rows: Sequence[dict]) -> list[dict]:
+    """Per (method, ratio, part): the mean of ``mae_mean`` over examples, with the number of
+    examples and of wins (``lower``) against the method's top-k version where both ran (a
+    ``prob:<score>...`` method against ``topk:<score>`` or the named method ``<score>``)."""
+    by: dict[tuple, dict[str, float]] = {}
+    for row in rows:
+        by.setdefault((row["method"], row["ratio"], row["part"]), {})[row["example"]] = row[
+            "mae_mean"
+        ]
+    out = []
+    for (method, ratio, part), values in by.items():
+        summary = {
+            "method": method,
+            "ratio": ratio,
+            "part": part,
+            "mae_mean": statistics.fmean(values.values()),
+            "examples": len(values),
+            "reference": None,
+            "lower": None,
+            "higher": None,
+        }
+        for reference in top_k_versions(method):
+            other = by.get((reference, ratio, part))
+            if other:
+                common = [e for e in values if e in other]
+                summary["reference"] = reference
+                summary["lower"] = sum(values[e] < other[e] for e in common)
+                summary["higher"] = sum(values[e] > other[e] for e in common)
+                break
+        out.append(summary)
+    return out
+
+
+def top_k_versions(method: str) -> list[str]:
+    """Names of the top-k version of a ``prob:`` method (``prob:kvzip/core=0.75`` ->
+    ``topk:kvzip``, ``kvzip``); none for other methods."""
+    if not method.startswith("prob:"):
+        return []
+    score = method[len("prob:") :].split("/", 1)[0]
+    return [f"topk:{score}", score]
