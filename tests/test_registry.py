@@ -388,3 +388,19 @@ def test_kvzip_names():
         ValueError, match="layer_budgets must be one of 'uniform', 'pyramid', 'global'"
     ):
         parse_method("snapkv/layer_budgets=all")
+
+
+def test_prob_block_defaults_follow_the_score_and_the_sampler():
+    """S10.3: blocks of 8 by default, single entries for ``kvzip`` (docs/evaluation.md,
+    "Attention error on the task prompts"); the with-replacement sampler has no blocks; the
+    canonical name drops the score's own default and keeps any other block."""
+    blocks = {s: scores.prob_block(s) for s in SCORE_NAMES}
+    assert blocks == {s: (1 if s == "kvzip" else scores.DEFAULT_PROB_BLOCK) for s in SCORE_NAMES}
+    assert scores.DEFAULT_PROB_BLOCK == 8
+    assert parse_method("prob:kvzip").block == 1 and parse_method("prob:h2o-rec").block == 8
+    assert parse_method("prob:kvzip/sampler=with_replacement").block == 1
+    assert method_name(parse_method("prob:kvzip/block=1", 0.5)) == "prob:kvzip"
+    assert method_name(parse_method("prob:kvzip/block=8", 0.5)) == "prob:kvzip/block=8"
+    assert method_name(parse_method("prob:knorm/block=1", 0.5)) == "prob:knorm/block=1"
+    with pytest.raises(ValueError, match="prob_block"):
+        scores.ScoreSpec(scores.knorm, ("key",), prob_block=0)

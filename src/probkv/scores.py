@@ -117,6 +117,9 @@ SCORE_INPUTS: tuple[str, ...] = (
 #: (extra query rows run after prefill, KVzip-style; all layers must be observed first).
 SCORE_SOURCES: tuple[str, ...] = ("prefill", "reconstruction")
 
+# S10.3: entries per sampling unit of prob:<score>'s pps unless its row says otherwise
+DEFAULT_PROB_BLOCK = 8
+
 
 @dataclass(frozen=True)
 class Param:
@@ -153,6 +156,10 @@ class ScoreSpec:
     reconstruction scores, whose top entries are the ones later questions need; 0.9 for
     ``tova`` and ``streaming_llm``, which rank by one query or by position (any thinning of
     their recent run loses answers); 0 (pure pps) for ``snapkv``, ``knorm`` and ``uniform``.
+    ``prob_block``: entries per sampling unit of ``prob:<score>``'s pps by default (S10.3):
+    ``DEFAULT_PROB_BLOCK`` (8) but for ``kvzip``, whose sample is drawn globally over
+    entries ranked by reconstruction (1: single entries; docs/evaluation.md, "Attention error
+    on the task prompts").
     """
 
     function: Callable[..., Scores]
@@ -164,6 +171,7 @@ class ScoreSpec:
     last_rows: int | str = 1
     budget_scope: Literal["head", "global"] = "head"
     prob_core: float = 0.0
+    prob_block: int = DEFAULT_PROB_BLOCK
 
     def __post_init__(self) -> None:
         # A row that cannot be called as declared fails at import, not at the first prefill.
@@ -181,6 +189,7 @@ class ScoreSpec:
             )
         if not 0.0 <= self.prob_core <= 1.0:
             raise ValueError(f"{self.function.__name__}: prob_core must be in [0, 1]")
+        check_positive_int(self.prob_block, "prob_block")
         if isinstance(self.last_rows, str):
             check_choice(self.last_rows, self.params, "last_rows")
         else:
@@ -265,6 +274,7 @@ SCORE_TABLE: dict[str, ScoreSpec] = {
         source="reconstruction",
         budget_scope="global",
         prob_core=0.5,
+        prob_block=1,
     ),
     "h2o-rec": ScoreSpec(
         h2o_reconstruction,
@@ -329,6 +339,11 @@ def budget_scope(name: str) -> Literal["head", "global"]:
 def prob_core(name: str) -> float:
     """The default core of ``prob:<name>`` with pps (``ScoreSpec.prob_core``, S10.2)."""
     return score_spec(name).prob_core
+
+
+def prob_block(name: str) -> int:
+    """The default block size of ``prob:<name>`` with pps (``ScoreSpec.prob_block``, S10.3)."""
+    return score_spec(name).prob_block
 
 
 def default_params(name: str) -> dict[str, object]:

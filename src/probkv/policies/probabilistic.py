@@ -37,7 +37,7 @@ from probkv.selection import RaggedSelection
 SCOPES = ("head", "global")
 # Defaults of the pps sampler's design, from probkv's measurements on needle tasks
 # (docs/evaluation.md): blocks of 8 entries visited in a seeded random order (S10.3, S10.4).
-PPS_BLOCK = 8
+PPS_BLOCK = scores.DEFAULT_PROB_BLOCK  # the score table's default block (ScoreSpec.prob_block)
 PPS_ORDER = "random"
 SAMPLERS = ("with_replacement", "pps")
 WEIGHTS = ("counts", "inclusion")
@@ -105,7 +105,7 @@ class ProbabilisticPolicy(EvictionPolicy):
     recent: float = 0.0
     seed: int = 0
     core: float | None = None  # None: the score's prob_core for sampler="pps", 0 otherwise
-    block: int | None = None  # None: PPS_BLOCK for sampler="pps", 1 otherwise
+    block: int | None = None  # None: the score's prob_block for sampler="pps", 1 otherwise
     order: str | None = None  # None: PPS_ORDER for sampler="pps", "position" otherwise
     pool: int = 1
 
@@ -140,7 +140,7 @@ class ProbabilisticPolicy(EvictionPolicy):
         if self.core is None:
             object.__setattr__(self, "core", scores.prob_core(self.score) if pps else 0.0)
         if self.block is None:
-            object.__setattr__(self, "block", PPS_BLOCK if pps else 1)
+            object.__setattr__(self, "block", scores.prob_block(self.score) if pps else 1)
         if self.order is None:
             object.__setattr__(self, "order", PPS_ORDER if pps else "position")
         core = check_fraction(self.core, "core", what="share of the sampled budget taken top-k")
