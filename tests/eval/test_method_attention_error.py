@@ -112,6 +112,19 @@ def test_rows_match_the_integration_seed_by_seed(llama):
         assert both["num_heads"] == 8  # 2 evicted layers x 4 query heads
 
 
+def test_rows_carry_canonical_method_names(llama):
+    rows = mae.measure_method_errors(
+        llama,
+        CONTEXT,
+        DECODE,
+        num_fed=NUM_FED,
+        methods=["prob:h2o/core=0.5/block=8", "topk:snapkv/window=32"],
+        ratios=[0.5],
+        seeds=1,
+    )
+    assert {r["method"] for r in rows} == {"prob:h2o", "snapkv"}
+
+
 def test_no_answer_tokens_gives_no_answer_row(llama):
     rows = mae.measure_method_errors(
         llama, CONTEXT, DECODE[:NUM_FED], num_fed=NUM_FED, methods=["snapkv"], ratios=[0.5]
@@ -124,6 +137,7 @@ def test_no_answer_tokens_gives_no_answer_row(llama):
     [
         ({"methods": ["full"]}, "full cache, the reference"),
         ({"methods": ["snapkv", "snapkv"]}, "snapkv twice"),
+        ({"methods": ["prob:kvzip", "prob:kvzip/block=1"]}, "prob:kvzip twice"),
         ({"methods": ["nosuch"]}, "nosuch"),
         ({"methods": []}, "at least one method"),
         ({"ratios": [0.0]}, r"\(0, 1\)"),

@@ -38,7 +38,13 @@ import torch
 
 from probkv._checks import check_positive_int, check_ratio
 from probkv.eval.attention_error import _as_ids, evicting_layers
-from probkv.policies import EvictionPolicy, FullCache, ProbabilisticPolicy, parse_method
+from probkv.policies import (
+    EvictionPolicy,
+    FullCache,
+    ProbabilisticPolicy,
+    method_name,
+    parse_method,
+)
 
 PARTS = ("question", "answer", "all")
 #: Keys of every result row, in this order.
@@ -58,19 +64,26 @@ METHOD_ROW_FIELDS = (
 
 def validate_methods(methods: Sequence[str], ratios: Sequence[float], seeds: int) -> list[str]:
     """Check method names (``parse_method``, which names a bad one), ratios and seeds before
-    any work; ``full`` is refused (it is the reference: its error is 0 by definition)."""
-    methods = [m.strip() for m in methods if m.strip()]
-    if not methods:
+    any work; return the canonical names (``method_name``, as ``probkv eval`` reports them).
+    ``full`` is refused (it is the reference: its error is 0 by definition), and so is a
+    method given twice under two spellings (``prob:kvzip`` and ``prob:kvzip/block=1``)."""
+    given = [m.strip() for m in methods if m.strip()]
+    if not given:
         raise ValueError("methods must name at least one method, e.g. kvzip,prob:kvzip")
-    for method in methods:
-        if isinstance(parse_method(method, ratio=0.5), FullCache):
+    methods = []
+    for method in given:
+        policy = parse_method(method, ratio=0.5)
+        if isinstance(policy, FullCache):
             raise ValueError(
                 f"method {method!r} is the full cache, the reference of every error; "
                 "give eviction methods only"
             )
+        methods.append(method_name(policy))
     repeated = sorted({m for m in methods if methods.count(m) > 1})
     if repeated:
-        raise ValueError(f"methods lists {', '.join(repeated)} twice; give each once")
+        raise ValueError(
+            f"methods lists {', '.join(repeated)} twice (canonical names); give each once"
+        )
     ratios = [check_ratio(r, "ratios") for r in ratios]
     if not ratios or any(r == 0 for r in ratios):
         raise ValueError(f"ratios must be in (0, 1) and not empty, got {list(ratios)}")
