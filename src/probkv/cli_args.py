@@ -59,3 +59,46 @@ def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
         "natively, CPU AMX/AVX512-BF16 or CUDA, else float32); attention scores, proposals "
         "and log-weights stay float32",
     )
+
+
+def add_example_arguments(parser: argparse.ArgumentParser, *, per_task: int) -> None:
+    """The example source of ``eval`` and ``task-attention-error``: ``--data`` or generated
+    ``--tasks`` (required, one of them), ``--data-format``, ``--lengths``, ``--per-task``
+    (default ``per_task``), ``--seed``, ``--question-aware``, ``--max-examples``."""
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--data", help="JSONL file (probkv's format or LongBench's)")
+    source.add_argument(
+        "--tasks", type=comma_list, help="generated task names, comma-separated, or 'all'"
+    )
+    parser.add_argument(
+        "--data-format",
+        choices=("auto", "probkv", "longbench"),
+        default="auto",
+        help="format of --data (default: detected)",
+    )
+    parser.add_argument(
+        "--lengths", type=length_list, help="prompt lengths in tokens for --tasks, e.g. 2048,4096"
+    )
+    parser.add_argument(
+        "--per-task",
+        type=positive_int,
+        default=per_task,
+        help=f"examples per task and length (default {per_task})",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="task generation seed (default 0)")
+    parser.add_argument(
+        "--question-aware",
+        action="store_true",
+        help="evict after context + question (default: before the question is seen)",
+    )
+    parser.add_argument(
+        "--max-examples", type=positive_int, help="only the first N examples (after loading)"
+    )
+
+
+def check_example_arguments(args: argparse.Namespace) -> None:
+    """``--lengths`` goes with ``--tasks`` and only with it (``ValueError`` naming the flag)."""
+    if args.tasks is not None and args.lengths is None:
+        raise ValueError("--tasks needs --lengths (prompt lengths in tokens), e.g. 2048,4096")
+    if args.data is not None and args.lengths is not None:
+        raise ValueError("--lengths applies to generated --tasks, not to --data")

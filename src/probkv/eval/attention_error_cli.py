@@ -126,7 +126,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
 
 def add_task_command(subparsers: argparse._SubParsersAction) -> None:
     """``task-attention-error``: whole methods on the examples ``probkv eval`` runs."""
-    from probkv.cli_args import comma_list, length_list, ratio_list
+    from probkv.cli_args import add_example_arguments, comma_list, ratio_list
     from probkv.models import DEFAULT_MODEL
 
     parser = subparsers.add_parser(
@@ -159,28 +159,7 @@ def add_task_command(subparsers: argparse._SubParsersAction) -> None:
         help="seeds 0..K-1 of the sampled methods (default 3)",
     )
     parser.add_argument("--out", type=Path, required=True, help="results JSON file")
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--data", help="JSONL file (probkv's format or LongBench's)")
-    source.add_argument("--tasks", type=comma_list, help="generated task names, comma-separated")
-    parser.add_argument(
-        "--data-format",
-        choices=("auto", "probkv", "longbench"),
-        default="auto",
-        help="format of --data (default: detected)",
-    )
-    parser.add_argument("--lengths", type=length_list, help="prompt lengths for --tasks")
-    parser.add_argument(
-        "--per-task", type=positive_int, default=3, help="examples per task and length (default 3)"
-    )
-    parser.add_argument("--seed", type=int, default=0, help="task generation seed (default 0)")
-    parser.add_argument(
-        "--question-aware",
-        action="store_true",
-        help="evict after context + question (default: before the question is seen)",
-    )
-    parser.add_argument(
-        "--max-examples", type=positive_int, help="only the first N examples (after loading)"
-    )
+    add_example_arguments(parser, per_task=3)
     parser.add_argument(
         "--answer-tokens",
         type=positive_int,
@@ -196,6 +175,7 @@ def run_task_attention_error(args: argparse.Namespace) -> int:
     """Load the model and the examples, measure each example, write the JSON."""
     import torch
 
+    from probkv.cli_args import check_example_arguments
     from probkv.dtypes import MODEL_DTYPES, resolve_dtype_name
     from probkv.eval import method_attention_error as mae
     from probkv.eval.attention_prompts import decode_tokens
@@ -206,10 +186,7 @@ def run_task_attention_error(args: argparse.Namespace) -> int:
     from probkv.models import load_model, max_positions
 
     mae.validate_methods(args.methods, args.ratios, args.seeds)
-    if args.tasks is not None and args.lengths is None:
-        raise ValueError("--tasks needs --lengths (prompt lengths in tokens), e.g. 2048,4096")
-    if args.data is not None and args.lengths is not None:
-        raise ValueError("--lengths applies to generated --tasks, not to --data")
+    check_example_arguments(args)
     config = RunConfig(  # checks the example source the way probkv eval does
         model=args.model,
         methods=tuple(args.methods),

@@ -16,7 +16,14 @@ import sys
 import time
 from pathlib import Path
 
-from probkv.cli_args import add_dtype_argument, comma_list, length_list, positive_int, ratio_list
+from probkv.cli_args import (
+    add_dtype_argument,
+    add_example_arguments,
+    check_example_arguments,
+    comma_list,
+    positive_int,
+    ratio_list,
+)
 from probkv.eval.config import RunConfig
 from probkv.eval.outputs import check_output_file, check_output_folder
 from probkv.eval.store import SUMMARY_JSON, SUMMARY_MD
@@ -60,33 +67,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         default=[0.5],
         help="comma-separated compression ratios in [0, 1) (default 0.5)",
     )
-    source = ev.add_mutually_exclusive_group(required=True)
-    source.add_argument("--data", help="JSONL file (probkv's format or LongBench's)")
-    source.add_argument(
-        "--tasks", type=comma_list, help="generated task names, comma-separated, or 'all'"
-    )
-    ev.add_argument(
-        "--data-format",
-        choices=("auto", "probkv", "longbench"),
-        default="auto",
-        help="format of --data (default: detected)",
-    )
-    ev.add_argument(
-        "--lengths", type=length_list, help="prompt lengths in tokens for --tasks, e.g. 2048,4096"
-    )
-    ev.add_argument(
-        "--per-task",
-        type=positive_int,
-        default=5,
-        help="examples per task and length (default 5)",
-    )
-    ev.add_argument("--seed", type=int, default=0, help="task generation seed (default 0)")
+    add_example_arguments(ev, per_task=5)
     ev.add_argument("--out", required=True, help="output folder (created; reruns resume)")
-    ev.add_argument(
-        "--question-aware",
-        action="store_true",
-        help="evict after context + question (default: before the question is seen)",
-    )
     ev.add_argument(
         "--truncate-middle",
         action="store_true",
@@ -99,9 +81,6 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         type=positive_int,
         default=1,
         help="processes, each loading the model once (default 1)",
-    )
-    ev.add_argument(
-        "--max-examples", type=positive_int, help="only the first N examples (after loading)"
     )
     ev.add_argument(
         "--force",
@@ -179,10 +158,7 @@ def run_eval_command(args: argparse.Namespace) -> int:
     """``probkv eval``: build the configuration (everything checked first), run, summarise."""
     from probkv.eval.runner import run_eval  # loads transformers: only when eval runs
 
-    if args.tasks is not None and args.lengths is None:
-        raise ValueError("--tasks needs --lengths (prompt lengths in tokens), e.g. 2048,4096")
-    if args.data is not None and args.lengths is not None:
-        raise ValueError("--lengths applies to generated --tasks, not to --data")
+    check_example_arguments(args)
     tasks = () if args.tasks is None else tuple(args.tasks)
     if tasks == ("all",):
         tasks = tuple(TASK_NAMES)
