@@ -31,6 +31,7 @@ from probkv.designs import (
     core_size,
     global_budget,
     sample_design,
+    spans,
     systematic_sample_ordered,
     top_entries,
     top_entries_global,
@@ -100,17 +101,18 @@ def implementation_at(inclusion, visit, u, width):
     return set(kept.nonzero().flatten().tolist())
 
 
-def design_distribution(P: list[float], sizes: list[int], order: str):
+def design_distribution(P: list[float], sizes: list[int], order: str, kind: str = "blocks"):
     """Every outcome of the design with its exact probability:
     ``(prob, visit, u, kept units, width of the offset interval)``.
 
     Visiting orders: position order, or (random) every permutation of the full-size units,
-    equally likely, followed by the shorter last unit. For each order, the kept set is constant
-    between consecutive fractional parts of the cumulative sums; ``u`` is the midpoint.
+    equally likely, followed by the shorter last unit (spans: every permutation of all units).
+    For each order, the kept set is constant between consecutive fractional parts of the
+    cumulative sums; ``u`` is the midpoint.
     """
     K = sum(1 for s in sizes if s > 0)
-    full = [k for k in range(K) if sizes[k] == max(sizes)]
-    short = [k for k in range(K) if sizes[k] != max(sizes)]
+    full = [k for k in range(K) if sizes[k] == max(sizes) or kind == "spans"]
+    short = [k for k in range(K) if k not in full]
     orders = (
         [list(range(K))]
         if order == "position"
@@ -411,6 +413,132 @@ def test_span_of_three_monte_carlo():
     p = (n - 4) / (8 * (n - 1))
     freq = float(random[:, 7:10].all(-1).double().mean())
     assert abs(freq - p) <= Z * math.sqrt(p * (1 - p) / N)
+
+
+# ------------------------------------------------------------- spans (S10.3, units="spans")
+
+
+def reference_spans(p: list[float], block: int) -> list[int]:
+    """Slow reference of ``spans``: walk the eligible entries (p > 0) in position order; a high
+    entry (p >= the exact mean over eligible entries) joins the current unit when the previous
+    eligible entry was high and the unit holds fewer than ``block`` entries; every other
+    eligible entry opens a new unit. -1 for ineligible entries."""
+    eligible = [x for x in p if x > 0]
+    mean = Fraction(math.fsum(eligible)) / len(eligible) if eligible else 0
+    units, unit, size, previous_high = [], -1, 0, False
+    for x in p:
+        if x <= 0:
+            units.append(-1)
+            continue
+        high = Fraction(x) >= mean
+        if high and previous_high and size < block:
+            size += 1
+        else:
+            unit, size = unit + 1, 1
+        units.append(unit)
+        previous_high = high
+    return units
+
+
+def test_spans_cut_where_the_proposal_drops():
+    """Runs of above-average entries are units of at most ``block`` entries (consecutive among
+    the eligible ones: the zero at position 6 does not cut the run 5, 7); every other entry is
+    its own unit."""
+    p = torch.tensor([[1, 3, 3, 3, 1, 2, 0, 2, 1, 3, 3, 3, 3, 1]], dtype=F64)  # mean 29/13
+    units, sizes = spans(p, 3)
+    assert units[0].tolist() == [0, 1, 1, 1, 2, 3, -1, 4, 5, 6, 6, 6, 7, 8]
+    assert sizes[0].tolist() == [1, 3, 1, 1, 1, 1, 3, 1, 1]
+    p[0, 5] = p[0, 7] = 2.5  # now above the mean (30/13): one span across the zero
+    assert spans(p, 3)[0][0].tolist() == [0, 1, 1, 1, 2, 3, -1, 3, 4, 5, 5, 5, 6, 7]
+    assert torch.equal(spans(p, 1)[0], blocks(p > 0, 1)[0])  # block 1: the entries
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rows=st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=30), min_size=1, max_size=4),
+    block=st.integers(1, 6),
+)
+def test_spans_match_the_reference(rows, block):
+    """The vectorised ``spans`` against the walk above, row by row (integer proposals: exact
+    means, and ties with the mean are frequent); ``sizes`` count each unit's entries."""
+    t = max(len(r) for r in rows)
+    p = torch.tensor([r + [0] * (t - len(r)) for r in rows], dtype=F64)
+    units, sizes = spans(p, block)
+    for i, row in enumerate(p.tolist()):
+        expected = reference_spans(row, block)
+        assert units[i].tolist() == expected
+        counts = [expected.count(k) for k in range(sizes.shape[1])]
+        assert sizes[i].tolist() == counts
+        assert max(counts) <= block
+
+
+SPAN_CASES = [  # (proposal, block, n): at most 6 units, so every visiting order is enumerated
+    ([1, 4, 4, 4, 1, 1, 3, 3, 1], 3, 3),
+    ([1, 4, 4, 4, 1, 1, 3, 3, 1], 2, 4),
+    ([2, 5, 5, 1, 5, 5, 5, 0], 3, 2),
+    ([1, 1, 9, 9, 9, 9, 1], 2, 3),  # the span of four is cut in two
+    ([3, 3, 3, 3, 3, 3], 4, 2),  # all equal: all high, spans of 4 and 2
+    ([1, 6, 6, 1, 6, 6], 2, 5),  # take-all units
+]
+
+
+@pytest.mark.parametrize("order", designs.ORDERS)
+@pytest.mark.parametrize(("p", "block", "n"), SPAN_CASES)
+def test_span_design_is_exactly_unbiased(order, p, block, n):
+    """Exact enumeration as for blocks (every permutation of the units x every offset): the
+    implementation keeps the reference's units, each unit is kept with probability exactly
+    P_k, every entry of a kept span is kept (one unit), the Horvitz-Thompson total is exactly
+    unbiased, and the expected kept count is the budget."""
+    pi = torch.tensor([p], dtype=F64)
+    design = block_design(pi, n, block, units="spans")
+    assert design.kind == "spans"
+    assert design.units[0].tolist() == reference_spans(p, block)
+    P, sizes = design.inclusion[0].tolist(), design.sizes[0].tolist()
+    units = design.units[0].tolist()
+    f = [Fraction(x) for x in torch.rand(len(p), generator=gen(block), dtype=F64).tolist()]
+    kept_prob = [Fraction(0)] * len(P)
+    estimate, expected_size = Fraction(0), Fraction(0)
+    for prob, visit, u, kept, width in design_distribution(P, sizes, order, "spans"):
+        assert implementation_at(design.inclusion, visit, u, width) in (kept, None)
+        for k in kept:
+            kept_prob[k] += prob
+        estimate += prob * sum(
+            f[i] / Fraction(P[units[i]]) for i in range(len(p)) if units[i] in kept
+        )
+        expected_size += prob * sum(sizes[k] for k in kept)
+    assert kept_prob == [Fraction(x) for x in P]
+    assert estimate == sum(f[i] for i in range(len(p)) if units[i] >= 0)
+    assert abs(expected_size - n) < 1e-9
+
+
+def test_span_design_monte_carlo_keeps_spans_whole():
+    """Seeded Monte Carlo through ``sample_design`` (random order, a core outside the design):
+    keep frequencies within Z binomial standard errors of P_i, spans kept or dropped whole,
+    the mean kept count within Z standard errors of the budget."""
+    N, n = 20000, 6
+    pi = torch.tensor([[1, 2, 8, 8, 8, 8, 8, 1, 2, 1, 7, 7, 1, 30, 1, 2]], dtype=F64)
+    core = torch.zeros_like(pi, dtype=torch.bool)
+    core[0, 13] = True
+    design = block_design(pi.expand(N, -1), n, 4, outside=core.expand(N, -1), units="spans")
+    kept = sample_design(design, "random", gen(5))
+    P = design.entry_inclusion[0]
+    inner = (P > 0) & (P < 1)
+    freq = kept.double().mean(0)
+    assert ((freq - P).abs()[inner] <= Z * (P * (1 - P) / N).sqrt()[inner]).all()
+    assert not kept[:, 13].any()  # the core is outside the design
+    assert (kept[:, 2:6].all(-1) == kept[:, 2]).all() and (kept[:, 10] == kept[:, 11]).all()
+    sizes = kept.sum(-1).double()
+    assert abs(float(sizes.mean()) - n) <= Z * float(sizes.std()) / math.sqrt(N)
+
+
+def test_span_units_are_visited_in_any_order():
+    """``visit_order`` with spans shuffles every non-empty unit (not only the largest)."""
+    sizes = torch.tensor([[1, 3, 1, 2, 0]])
+    g = gen(3)
+    firsts = torch.stack([visit_order(sizes, "random", g, "spans")[0, 0] for _ in range(4000)])
+    counts = torch.bincount(firsts, minlength=5).double()
+    assert counts[4] == 0
+    assert ((counts[:4] / 4000 - 0.25).abs() <= Z * math.sqrt(0.25 * 0.75 / 4000)).all()
 
 
 # ------------------------------------------------------------------------- core (S10.2)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from probkv import sample_size, sampling
+from probkv import designs, sample_size, sampling
 from probkv.observation import observe_layer
 from probkv.policies import LayerObservation, ProbabilisticPolicy, parse_method
 from probkv.proposals import FLOOR, max_pool_log_scores, proposal_from_log_scores
@@ -698,7 +698,17 @@ def test_span_designs_global_property(lengths, heads, ratio, core, block, order,
     assert abs(kept_total - target) < live_heads * block + 1e-9
 
 
-@pytest.mark.parametrize("options", ["core=0.25/block=3/order=random", "block=4", "order=random"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        "core=0.25/block=3/order=random",
+        "block=4",
+        "order=random",
+        "units=spans/block=4",
+        "core=0.5/units=spans/block=3",
+        "scope=global/core=0.5/units=spans/block=4",
+    ],
+)
 def test_span_designs_corrected_total_is_unbiased(options):
     """S10: the policy's weights keep the Horvitz-Thompson total unbiased:
     sum_{i kept} w_i f_i over N seeds has mean sum_i f_i within 5 of its own standard errors
@@ -733,3 +743,36 @@ def test_span_options_fail_naming_the_value():
         ProbabilisticPolicy(pool=2)
     with pytest.raises(ValueError, match="designs of sampler='pps'"):
         ProbabilisticPolicy(sampler="with_replacement", block=2)
+    with pytest.raises(ValueError, match="units must be one of 'blocks', 'spans'; got 'words'"):
+        ProbabilisticPolicy(units="words")
+    with pytest.raises(ValueError, match="designs of sampler='pps'"):
+        ProbabilisticPolicy(sampler="with_replacement", units="spans")
+
+
+def test_spans_keep_a_heavy_run_whole():
+    """units=spans: a run of entries each too light to be kept surely (P < 1 alone) but heavy
+    together is one unit: over seeds it is kept or dropped whole, never thinned as single
+    entries or fixed blocks of the same size thin it."""
+    t = 64
+    log_scores = torch.zeros(1, t)
+    log_scores[0, 20:27] = 0.7  # a 7-token "number", each entry ~ 2x the others
+    obs = synthetic(log_scores, 0)
+    whole = {"spans": 0, "entries": 0}
+    for seed in range(200):
+        for name, options in (("spans", dict(units="spans", block=8)), ("entries", {})):
+            policy = ProbabilisticPolicy(score="h2o", ratio=0.95, core=0.0, seed=seed, **options)
+            (sel,) = policy.select([obs], num_layers=1)
+            kept = set(sel.head(0)[0].tolist()) & set(range(20, 27))
+            assert name == "entries" or len(kept) in (0, 7)
+            whole[name] += len(kept) == 7
+    # the run's P as one unit (S10.3 capping of the policy's own proposal), within Z = 5
+    # binomial standard errors; alone, each entry has P < 0.1, so all 7 are (almost) never kept
+    pi = policy.proposal(obs).double()
+    design = designs.block_design(pi, budget(t, 0.95), 8, units="spans")
+    p_run = float(design.entry_inclusion[0, 20])
+    assert (
+        0.05 < p_run < 0.95
+        and float(designs.block_design(pi, budget(t, 0.95)).inclusion.max()) < 0.1
+    )
+    assert whole["entries"] == 0
+    assert abs(whole["spans"] / 200 - p_run) <= 5 * math.sqrt(p_run * (1 - p_run) / 200)

@@ -173,13 +173,14 @@ VALUES = {
     "core": ["0", "0.25", "0.5", "1"],
     "block": ["1", "4", "8"],
     "order": ["position", "random"],
+    "units": ["blocks", "spans"],
     "pool": ["1", "3", "7"],
 }
-SPAN_DEFAULTS = {"core=0", "block=1", "order=position"}  # S10 designs need sampler=pps
+SPAN_DEFAULTS = {"core=0", "block=1", "order=position", "units=blocks"}  # S10: sampler=pps
 
 
 def span_design_without_pps(options: list[str]) -> bool:
-    span = [o for o in options if o.split("=")[0] in ("core", "block", "order")]
+    span = [o for o in options if o.split("=")[0] in ("core", "block", "order", "units")]
     return "sampler=with_replacement" in options and not set(span) <= SPAN_DEFAULTS
 
 
@@ -237,7 +238,7 @@ def test_unknown_option_lists_the_valid_options(name):
 
 def test_method_options_per_family():
     assert "tau" in method_options("prob:h2o") and "alpha" not in method_options("prob:h2o")
-    assert {"core", "block", "order", "pool"} <= set(method_options("prob:snapkv"))
+    assert {"core", "block", "order", "units", "pool"} <= set(method_options("prob:snapkv"))
     assert "pool" in method_options("snapkv") and "core" not in method_options("snapkv")
     assert "sinks" in method_options("streaming_llm") and "window" not in method_options("h2o")
     assert {"window", "kernel", "pooling", "gqa"} <= set(method_options("prob:snapkv"))
@@ -275,13 +276,16 @@ def test_method_options_per_family():
         ("prob:h2o/block=0", "block must be an integer >= 1 .*got 0"),
         ("prob:h2o/block=2.5", "block must be an integer >= 1 .*got 2.5"),
         ("prob:h2o/order=reverse", "order must be one of 'position', 'random'; got 'reverse'"),
+        ("prob:h2o/units=runs", "units must be one of 'blocks', 'spans'; got 'runs'"),
         ("prob:h2o/pool=4", "pool must be an odd integer >= 1 .*got 4"),
         ("snapkv/pool=0", "pool must be an odd integer >= 1 .*got 0"),
         (
             "prob:h2o/sampler=with_replacement/block=8",
-            r"core=0.0, block=8, order='position': these are designs of sampler='pps' "
-            r"\(S10.2-S10.4\); sampler='with_replacement' allows only core=0, block=1",
+            r"core=0.0, block=8, order='position', units='blocks': these are designs of "
+            r"sampler='pps' \(S10.2-S10.4\); sampler='with_replacement' allows only core=0, "
+            r"block=1",
         ),
+        ("prob:h2o/sampler=with_replacement/units=spans", "designs of sampler='pps'"),
         ("prob:h2o/sampler=with_replacement/order=random", "designs of sampler='pps'"),
         ("prob:h2o/sampler=with_replacement/core=0.5", "designs of sampler='pps'"),
     ],

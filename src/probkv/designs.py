@@ -11,6 +11,8 @@ budget and the Horvitz-Thompson weights ``1 / P`` (so S4's correction stays unbi
 - blocks (S10.3): ``block_design`` (``block_design_global`` for one scale over all heads) makes
   runs of ``block`` consecutive entries the sampling units, with ``P_k = min(1, lam M_k)`` for a
   block of mass ``M_k``; every entry of a kept block gets ``1 / P_k``. ``block = 1`` is S9's pps;
+  ``units="spans"`` cuts the units where the proposal does instead (``spans``): a run of
+  above-average entries (a number's digits) is one unit of at most ``block`` entries;
 - the visiting order of systematic sampling (S10.4): ``visit_order`` (position, or a seeded
   random permutation), ``systematic_sample_ordered`` (pure: the offset is an argument) and
   ``sample_design``, which draws a design's kept entries.
@@ -36,6 +38,10 @@ from probkv._checks import check_choice, check_ratio
 ORDERS = ("position", "random")
 """Visiting orders of systematic sampling (S10.4)."""
 
+UNITS = ("blocks", "spans")
+"""Sampling units of the pps designs (S10.3): ``"blocks"``, runs of ``block`` consecutive
+entries; ``"spans"``, runs of above-average proposal of at most ``block`` entries (``spans``)."""
+
 SNAP = 1e-9
 """A total inclusion within ``SNAP`` (relative) of an integer is that integer (float rounding),
 as in ``sampling.systematic_sample``."""
@@ -48,12 +54,14 @@ class UnitDesign:
     ``units``: int64 ``[R, t]``, the unit of each entry (units are numbered in position order),
     ``-1`` for entries outside the design. ``inclusion``: float64 ``[R, K]``, ``P_k`` of each
     unit. ``sizes``: int64 ``[R, K]``, entries per unit. Units past a row's last are padding
-    (size 0, ``P = 0``).
+    (size 0, ``P = 0``). ``kind``: how the units were cut (``UNITS``); it decides how a random
+    visiting order treats units of unequal size (``visit_order``).
     """
 
     units: torch.Tensor
     inclusion: torch.Tensor
     sizes: torch.Tensor
+    kind: str = "blocks"
 
     @property
     def entry_inclusion(self) -> torch.Tensor:
@@ -234,6 +242,47 @@ def blocks(eligible: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tens
     return units, sizes
 
 
+def spans(p: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partition each row's eligible entries (``p > 0``) into spans (S10.3, ``units="spans"``).
+
+    An entry is *high* when its ``p`` is at least the mean of ``p`` over the row's eligible
+    entries. Consecutive high entries (consecutive among the eligible ones, as in ``blocks``)
+    form one unit, cut every ``block`` entries; every other entry is a unit of its own. The
+    units depend on the proposal only, never on the draw, so ``1 / P_k`` stays unbiased; a
+    span's mass is the sum of its entries', so a run of entries each too light to be kept
+    surely (a number's digits) is kept or dropped whole, with the probability of the run.
+    ``block = 1``: every entry is a unit (S9's pps).
+
+    Returns ``(units, sizes)`` as ``blocks`` does (``K`` = the largest number of units of a row).
+    """
+    _rows(p, "p")
+    block = check_block(block)
+    eligible = p > 0
+    rows, t = p.shape
+    count = eligible.sum(-1, keepdim=True)
+    mean = torch.where(eligible, p, 0.0).sum(-1, keepdim=True) / count.clamp(min=1)
+    high = eligible & (p >= mean)
+    position = torch.arange(t, device=p.device).expand(rows, t)
+    # the previous eligible entry of each entry (-1: none), and whether it is high
+    last = torch.where(eligible, position, -1).cummax(-1).values
+    prev = torch.cat([last.new_full((rows, 1), -1), last[:, :-1]], -1)
+    high_prev = (prev >= 0) & high.gather(-1, prev.clamp(min=0))
+    starts = high & ~high_prev
+    rank = eligible.to(torch.int64).cumsum(-1) - 1
+    run_start = torch.where(starts, rank, -1).cummax(-1).values
+    new_unit = eligible & (~high | starts | ((rank - run_start) % block == 0))
+    units = torch.where(eligible, new_unit.to(torch.int64).cumsum(-1) - 1, -1)
+    num_units = max(1, int(new_unit.sum(-1).max()))
+    sizes = torch.zeros(rows, num_units, dtype=torch.int64, device=p.device)
+    sizes.scatter_add_(-1, units.clamp(min=0), eligible.to(torch.int64))
+    return units, sizes
+
+
+def check_units(units: str) -> str:
+    """``"blocks"`` or ``"spans"`` (``UNITS``)."""
+    return check_choice(units, UNITS, "units")
+
+
 def capped_scale(
     mass: torch.Tensor, sizes: torch.Tensor, n: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -268,9 +317,11 @@ def _capped(mass: torch.Tensor, num: torch.Tensor, den: torch.Tensor) -> torch.T
     return torch.where((mass > 0) & (num > 0), (num * (mass / den)).clamp(max=1.0), 0.0)
 
 
-def _units(p: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(units, sizes, masses)`` of the blocks of the entries with ``p > 0``."""
-    units, sizes = blocks(p > 0, block)
+def _units(
+    p: torch.Tensor, block: int, kind: str = "blocks"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(units, sizes, masses)`` of the blocks (or spans) of the entries with ``p > 0``."""
+    units, sizes = blocks(p > 0, block) if check_units(kind) == "blocks" else spans(p, block)
     masses = torch.zeros(sizes.shape, dtype=torch.float64, device=p.device)
     masses.scatter_add_(-1, units.clamp(min=0), torch.where(units >= 0, p, 0.0))
     return units, sizes, masses
@@ -282,6 +333,7 @@ def block_design(
     block: int = 1,
     *,
     outside: torch.Tensor | None = None,
+    units: str = "blocks",
 ) -> UnitDesign:
     """Block pps per row (S10.3): units of ``block`` consecutive entries with ``pi > 0`` not
     ``outside``, ``P_k = min(1, lam M_k)`` with ``sum_k |B_k| P_k = n`` (expected entries kept).
@@ -298,11 +350,13 @@ def block_design(
         n: expected entries to keep per row: a number or a tensor ``[R]``, ``>= 0``.
         block: entries per unit, ``>= 1``.
         outside: optional bool ``[R, t]``: more entries left out of the design (the core).
+        units: ``"blocks"`` (runs of ``block`` entries) or ``"spans"`` (``spans``: runs of
+            above-average proposal, at most ``block`` entries, after ``outside`` is removed).
     """
     p = _mass(pi, outside, "pi")
-    units, sizes, masses = _units(p, block)
+    unit_of, sizes, masses = _units(p, block, units)
     num, den = capped_scale(masses, sizes, _per_row(n, p.shape[0], "n", p.device))
-    return UnitDesign(units, _capped(masses, num, den), sizes)
+    return UnitDesign(unit_of, _capped(masses, num, den), sizes, units)
 
 
 def global_budget(
@@ -325,6 +379,7 @@ def block_design_global(
     *,
     outside: Sequence[torch.Tensor] | None = None,
     row_mass: Sequence[torch.Tensor] | None = None,
+    units: str = "blocks",
 ) -> list[UnitDesign]:
     """``block_design`` with one ``lam`` for every row of every tensor (scope "global", S9):
     ``sum`` over all heads of ``sum_k |B_k| P_k`` is ``n``. With ``block = 1`` this is
@@ -333,7 +388,8 @@ def block_design_global(
     head's weight against the others, 1 if None), before ``outside`` (one mask per tensor)
     zeroes entries, so ``lam`` compares the heads as weighed: ``P = min(1, lam m_h pi)`` on the
     remaining entries. A head's own expected size is then real, and its kept count random
-    (``sample_design``)."""
+    (``sample_design``). ``units`` as in ``block_design`` (spans are cut per row, on its own
+    mean)."""
     if not isinstance(pis, (list, tuple)) or len(pis) == 0:
         raise ValueError("pis must be a non-empty list of tensors [rows, t]")
     masks = [None] * len(pis) if outside is None else list(outside)
@@ -341,32 +397,37 @@ def block_design_global(
         raise ValueError(f"outside must hold one mask per tensor ({len(pis)}), got {len(masks)}")
     weights = sampling.row_masses(row_mass, pis)
     parts = [
-        _units(_mass(p, o, f"pis[{i}]", row_mass=w), block)
+        _units(_mass(p, o, f"pis[{i}]", row_mass=w), block, units)
         for i, (p, o, w) in enumerate(zip(pis, masks, weights))
     ]
     flat_mass = torch.cat([m.reshape(1, -1) for _, _, m in parts], -1)
     flat_sizes = torch.cat([s.reshape(1, -1) for _, s, _ in parts], -1)
     num, den = capped_scale(flat_mass, flat_sizes, _per_row(n, 1, "n", flat_mass.device))
-    return [UnitDesign(u, _capped(m, num, den), s) for u, s, m in parts]
+    return [UnitDesign(u, _capped(m, num, den), s, units) for u, s, m in parts]
 
 
 # ------------------------------------------------------------- visiting order (S10.4)
 
 
-def visit_order(sizes: torch.Tensor, order: str, generator: torch.Generator) -> torch.Tensor:
+def visit_order(
+    sizes: torch.Tensor, order: str, generator: torch.Generator, units: str = "blocks"
+) -> torch.Tensor:
     """The order in which systematic sampling visits each row's units (S10.4), int64 ``[R, K]``.
 
     ``"position"``: unit order, i.e. position order (no random draw). ``"random"``: a uniform
     random permutation of the row's full-size units (one ``torch.rand`` of ``[R, K]``), then
     the row's shorter last unit, then padding. Keeping the short unit last bounds the kept
     count: it differs from its expectation by less than the block size (``sample_design``).
+    With ``units="spans"`` (units of any size up to ``block``) every non-empty unit is
+    shuffled, then padding: no bound of that kind holds for unequal units anyway.
     """
     check_choice(order, ORDERS, "order")
+    check_units(units)
     rows, k = sizes.shape
     if order == "position":
         return torch.arange(k, device=sizes.device).expand(rows, k)
     keys = torch.rand((rows, k), generator=generator, dtype=torch.float64, device=sizes.device)
-    full = sizes == sizes.max(-1, keepdim=True).values
+    full = sizes > 0 if units == "spans" else sizes == sizes.max(-1, keepdim=True).values
     keys = torch.where(full, keys, torch.where(sizes > 0, 2.0, 3.0))
     return keys.argsort(dim=-1, stable=True)
 
@@ -436,10 +497,12 @@ def sample_design(design: UnitDesign, order: str, generator: torch.Generator) ->
     full units visited first give ``floor`` or ``ceil`` of their total ``L`` (entries off by
     ``b (N - L)``, ``|N - L| < 1``), and the short unit, of size ``s < b``, is hit exactly when
     that count and the offset leave room for it, which keeps ``|b (N - L) + s (I - P)| < b``.
+    Spans (units of 1 to ``b`` entries): the count is random, ``sum_k |B_k| P_k`` in
+    expectation; each entry is still kept with probability exactly ``P_i``.
     """
     if not isinstance(generator, torch.Generator):
         raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
-    visit = visit_order(design.sizes, order, generator)
+    visit = visit_order(design.sizes, order, generator, design.kind)
     rows = design.inclusion.shape[0]
     offset = torch.rand(
         (rows, 1), generator=generator, dtype=torch.float64, device=design.inclusion.device

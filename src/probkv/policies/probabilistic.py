@@ -76,7 +76,11 @@ class ProbabilisticPolicy(EvictionPolicy):
       is the top-k method of ``score``); ``block`` = entries per sampling unit (runs of
       consecutive non-forced entries, every entry of a kept block weighted ``1 / P_block``;
       the kept count is within ``block - 1`` of the budget); ``order`` = ``"position"`` or
-      ``"random"``, the visiting order of systematic sampling (a seeded permutation per head).
+      ``"random"``, the visiting order of systematic sampling (a seeded permutation per head);
+      ``units`` = ``"blocks"`` (the runs of ``block`` entries above) or ``"spans"`` (runs of
+      entries of above-average proposal, at most ``block`` long, are the units, every other
+      entry a unit of its own: a needle's tokens are kept or dropped together, the kept count
+      is random around the budget; ``designs.spans``).
       Scope "global": the core is the ``floor(f S)`` entries of largest proposal over all heads
       of all layers (``S`` the global sampled budget), then one pps scale for the rest.
 
@@ -107,6 +111,7 @@ class ProbabilisticPolicy(EvictionPolicy):
     core: float | None = None  # None: the score's prob_core for sampler="pps", 0 otherwise
     block: int | None = None  # None: the score's prob_block for sampler="pps", 1 otherwise
     order: str | None = None  # None: PPS_ORDER for sampler="pps", "position" otherwise
+    units: str = "blocks"  # S10.3: fixed blocks, or spans cut where the proposal drops
     pool: int = 1
 
     # Fields whose defaults depend on these (core, block, order on the sampler): method names
@@ -147,17 +152,19 @@ class ProbabilisticPolicy(EvictionPolicy):
         object.__setattr__(self, "core", core)
         designs.check_block(self.block)
         check_choice(self.order, designs.ORDERS, "order")
+        designs.check_units(self.units)
         proposals.check_pool_kernel(self.pool)
         if self.sampler != "pps" and self._span_design:
             raise ValueError(
-                f"core={self.core!r}, block={self.block!r}, order={self.order!r}: these are "
-                f"designs of sampler='pps' (S10.2-S10.4); sampler={self.sampler!r} allows only "
-                "core=0, block=1, order='position'"
+                f"core={self.core!r}, block={self.block!r}, order={self.order!r}, "
+                f"units={self.units!r}: these are designs of sampler='pps' (S10.2-S10.4); "
+                f"sampler={self.sampler!r} allows only core=0, block=1, order='position', "
+                "units='blocks'"
             )
 
     @property
     def _span_design(self) -> bool:
-        return self.core > 0 or self.block > 1 or self.order != "position"
+        return self.core > 0 or self.block > 1 or self.order != "position" or self.units != "blocks"
 
     @property
     def layerwise(self) -> bool:
@@ -313,7 +320,7 @@ class ProbabilisticPolicy(EvictionPolicy):
             cores = designs.top_entries_global(keys, designs.core_size(self.core, total), eligible)
             rest = total - sum(int(c.sum()) for c in cores)
             units = designs.block_design_global(
-                pis, rest, self.block, outside=cores, row_mass=masses
+                pis, rest, self.block, outside=cores, row_mass=masses, units=self.units
             )
         else:
             cores, units = [], []
@@ -322,7 +329,9 @@ class ProbabilisticPolicy(EvictionPolicy):
                 core = designs.top_entries(key, designs.core_size(self.core, sampled), pi > 0)
                 cores.append(core)
                 rest = sampled - core.sum(-1)
-                units.append(designs.block_design(pi, rest, self.block, outside=core))
+                units.append(
+                    designs.block_design(pi, rest, self.block, outside=core, units=self.units)
+                )
         out = []
         for pi, core, design in zip(pis, cores, units):
             kept = designs.sample_design(design, self.order, generator) | core
