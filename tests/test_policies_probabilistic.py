@@ -115,12 +115,32 @@ def test_prob_h2o_is_the_normalised_accumulated_attention():
 
 def test_prob_tova_is_the_layer_mean_of_the_last_query():
     """App. D Eq. 19-20: the last query's attention averaged over all query heads of the
-    layer, the same proposal for every KV head."""
+    layer, the same proposal for every KV head (``uniform_mix=1``); by default (pps) the
+    defensive mixture 0.5 * that + 0.5 / t (S2, ``ScoreSpec.prob_uniform_mix``)."""
     q, k, v = random_layer(40, 3, 2, seed=3)
-    policy = parse_method("prob:tova", ratio=0.5)
+    mean = dense_probabilities(q, k)[:, -1].mean(0).expand(3, -1)
+    policy = parse_method("prob:tova/uniform_mix=1", ratio=0.5)
     pi = policy.proposal(observe(policy, q, k, v)).double()
-    mean = dense_probabilities(q, k)[:, -1].mean(0)
-    torch.testing.assert_close(pi, mean.expand(3, -1), rtol=1e-5, atol=0)
+    torch.testing.assert_close(pi, mean, rtol=1e-5, atol=0)
+    policy = parse_method("prob:tova", ratio=0.5)
+    assert policy.uniform_mix == 0.5
+    pi = policy.proposal(observe(policy, q, k, v)).double()
+    torch.testing.assert_close(pi, 0.5 * mean + 0.5 / 40, rtol=1e-5, atol=0)
+    assert parse_method("prob:tova/sampler=with_replacement", 0.5).uniform_mix == 1.0
+
+
+def test_prob_streaming_llm_tempers_its_weights_by_default():
+    """``streaming_llm``'s pps weights are tempered (tau = 2, ``ScoreSpec.prob_tau``): its
+    log-weights are half those of ``tau=1`` for the same kept set; other scores keep tau = 1."""
+    q, k, v = random_layer(40, 2, 2, seed=4)
+    default = parse_method("prob:streaming_llm", ratio=0.5)
+    plain = parse_method("prob:streaming_llm/tau=1", ratio=0.5)
+    assert default.tau == 2.0 and parse_method("prob:h2o", 0.5).tau == 1.0
+    assert parse_method("prob:streaming_llm/sampler=with_replacement", 0.5).tau == 1.0
+    (a,) = default.select([observe(default, q, k, v)], num_layers=1)
+    (b,) = plain.select([observe(plain, q, k, v)], num_layers=1)
+    assert torch.equal(a.indices, b.indices) and b.log_weights.abs().max() > 0
+    torch.testing.assert_close(a.log_weights, b.log_weights / 2)
 
 
 def test_prob_knorm_is_the_softmax_of_minus_key_norms():

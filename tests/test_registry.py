@@ -130,6 +130,11 @@ def test_python_api_and_names_agree():
         ("prob:h2o/core=0.5/block=8/order=random/pool=1", "prob:h2o"),
         ("prob:h2o/core=0/block=8/order=random/pool=1", "prob:h2o/core=0"),
         ("prob:knorm/core=0/block=8/order=random/pool=1", "prob:knorm"),
+        ("prob:tova/uniform_mix=0.5/core=0.9", "prob:tova"),  # the score's pps defaults
+        ("prob:tova/uniform_mix=1", "prob:tova/uniform_mix=1"),
+        ("prob:streaming_llm/tau=2", "prob:streaming_llm"),
+        ("prob:streaming_llm/tau=1", "prob:streaming_llm/tau=1"),
+        ("prob:h2o/tau=1/uniform_mix=1", "prob:h2o"),
         ("prob:min-h/core=1.0/pool=5", "prob:min-h/core=1/pool=5"),
         ("snapkv/pool=3", "snapkv/pool=3"),
         ("topk:h2o/pool=1", "h2o"),

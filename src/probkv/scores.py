@@ -160,6 +160,12 @@ class ScoreSpec:
     ``DEFAULT_PROB_BLOCK`` (8) but for ``kvzip``, whose sample is drawn globally over
     entries ranked by reconstruction (1: single entries; docs/evaluation.md, "Attention error
     on the task prompts").
+    ``prob_uniform_mix``, ``prob_tau``: the proposal's weight against the uniform distribution
+    (S2's defensive mixture) and the weight temperature (S4) of ``prob:<score>``'s pps by
+    default: 1 and 1 but for ``tova`` (mixture 0.5: its one-query proposal gives most entries
+    a tiny P, hence huge weights) and ``streaming_llm`` (temperature 2: its recency ramp is
+    no estimate of attention, so its weights are tempered), from docs/evaluation.md
+    ("Defensive proposals for the position-driven scores").
     """
 
     function: Callable[..., Scores]
@@ -172,6 +178,8 @@ class ScoreSpec:
     budget_scope: Literal["head", "global"] = "head"
     prob_core: float = 0.0
     prob_block: int = DEFAULT_PROB_BLOCK
+    prob_uniform_mix: float = 1.0
+    prob_tau: float = 1.0
 
     def __post_init__(self) -> None:
         # A row that cannot be called as declared fails at import, not at the first prefill.
@@ -190,6 +198,10 @@ class ScoreSpec:
         if not 0.0 <= self.prob_core <= 1.0:
             raise ValueError(f"{self.function.__name__}: prob_core must be in [0, 1]")
         check_positive_int(self.prob_block, "prob_block")
+        if not 0.0 < self.prob_uniform_mix <= 1.0:
+            raise ValueError(f"{self.function.__name__}: prob_uniform_mix must be in (0, 1]")
+        if not self.prob_tau > 0.0:
+            raise ValueError(f"{self.function.__name__}: prob_tau must be > 0")
         if isinstance(self.last_rows, str):
             check_choice(self.last_rows, self.params, "last_rows")
         else:
@@ -259,10 +271,16 @@ SCORE_TABLE: dict[str, ScoreSpec] = {
         attention_scale=True,
         last_rows="window",
     ),
-    "tova": ScoreSpec(tova, ("query", "key", "scale"), attention_scale=True, prob_core=0.9),
+    "tova": ScoreSpec(
+        tova, ("query", "key", "scale"), attention_scale=True, prob_core=0.9, prob_uniform_mix=0.5
+    ),
     "knorm": ScoreSpec(knorm, ("key",)),
     "streaming_llm": ScoreSpec(
-        streaming_llm, ("t", "num_kv_heads", "device"), {"sinks": _SINKS}, prob_core=0.9
+        streaming_llm,
+        ("t", "num_kv_heads", "device"),
+        {"sinks": _SINKS},
+        prob_core=0.9,
+        prob_tau=2.0,
     ),
     "uniform": ScoreSpec(uniform, ("t", "num_kv_heads", "device")),
     # S10.1: read from the reconstruction pass (KVzip); 4 sinks as kvpress, KVzip's chunks
@@ -344,6 +362,16 @@ def prob_core(name: str) -> float:
 def prob_block(name: str) -> int:
     """The default block size of ``prob:<name>`` with pps (``ScoreSpec.prob_block``, S10.3)."""
     return score_spec(name).prob_block
+
+
+def prob_uniform_mix(name: str) -> float:
+    """The default proposal weight of ``prob:<name>`` with pps (``ScoreSpec.prob_uniform_mix``)."""
+    return score_spec(name).prob_uniform_mix
+
+
+def prob_tau(name: str) -> float:
+    """The default weight temperature of ``prob:<name>`` with pps (``ScoreSpec.prob_tau``)."""
+    return score_spec(name).prob_tau
 
 
 def default_params(name: str) -> dict[str, object]:

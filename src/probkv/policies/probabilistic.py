@@ -60,8 +60,11 @@ class ProbabilisticPolicy(EvictionPolicy):
     - ``weights`` (with-replacement sampler): ``"counts"`` (Eq. 10, the paper) or
       ``"inclusion"`` (Horvitz-Thompson, S9). pps always uses ``1 / P_i``.
     - ``tau``: weight temperature (``log w / tau``); ``inf`` or ``correct=False`` = no
-      correction (the uncorrected estimator).
-    - ``proposal_tau``, ``uniform_mix``: S2 adjustments of the proposal itself.
+      correction (the uncorrected estimator). Default 1, but 2 for ``streaming_llm`` with pps
+      (the score's ``prob_tau``).
+    - ``proposal_tau``, ``uniform_mix``: S2 adjustments of the proposal itself
+      (``uniform_mix`` = weight of the proposal against the uniform distribution; default 1,
+      but 0.5 for ``tova`` with pps, the score's ``prob_uniform_mix``).
     - ``recent``: fraction of each head's budget reserved for the most recent entries, a
       take-all stratum like SnapKV's window (H2O's recent window; default 0, none).
     - ``seed``: same seed, same kept set.
@@ -102,10 +105,10 @@ class ProbabilisticPolicy(EvictionPolicy):
     scope: str | None = None  # None: the score's budget_scope ("global": reconstruction)
     sampler: str = "pps"
     weights: str = "inclusion"
-    tau: float = 1.0
+    tau: float | None = None  # None: the score's prob_tau for sampler="pps", 1 otherwise
     correct: bool = True
     proposal_tau: float = 1.0
-    uniform_mix: float = 1.0
+    uniform_mix: float | None = None  # None: the score's prob_uniform_mix for pps, 1 otherwise
     recent: float = 0.0
     seed: int = 0
     core: float | None = None  # None: the score's prob_core for sampler="pps", 0 otherwise
@@ -125,6 +128,12 @@ class ProbabilisticPolicy(EvictionPolicy):
         check_choice(self.scope, SCOPES, "scope")
         check_choice(self.sampler, SAMPLERS, "sampler")
         check_choice(self.weights, WEIGHTS, "weights")
+        pps = self.sampler == "pps"
+        if self.tau is None:
+            object.__setattr__(self, "tau", scores.prob_tau(self.score) if pps else 1.0)
+        if self.uniform_mix is None:
+            mix = scores.prob_uniform_mix(self.score) if pps else 1.0
+            object.__setattr__(self, "uniform_mix", mix)
         object.__setattr__(self, "tau", check_tau(self.tau, "tau"))
         object.__setattr__(self, "proposal_tau", check_tau(self.proposal_tau, "proposal_tau"))
         mix = check_fraction(self.uniform_mix, "uniform_mix", what="weight of the proposal")
