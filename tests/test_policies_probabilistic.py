@@ -769,6 +769,22 @@ def test_span_options_fail_naming_the_value():
         ProbabilisticPolicy(sampler="with_replacement", units="spans")
 
 
+@pytest.mark.parametrize("scope", ["head", "global"])
+def test_spans_of_one_entry_are_the_entries(scope):
+    """units=spans with block=1 draws exactly what units=blocks with block=1 draws (every
+    entry is its own unit either way): same kept sets and log-weights for the same seed."""
+    obs = [synthetic(2 * torch.randn(3, 50, generator=gen(7 + i)), 4, i) for i in range(2)]
+    for seed in range(5):
+        a = ProbabilisticPolicy(
+            score="h2o", ratio=0.7, scope=scope, block=1, units="spans", seed=seed
+        ).select(obs, num_layers=2)
+        b = ProbabilisticPolicy(
+            score="h2o", ratio=0.7, scope=scope, block=1, units="blocks", seed=seed
+        ).select(obs, num_layers=2)
+        for x, y in zip(a, b):
+            assert torch.equal(x.indices, y.indices) and torch.equal(x.log_weights, y.log_weights)
+
+
 def test_spans_keep_a_heavy_run_whole():
     """units=spans: a run of entries each too light to be kept surely (P < 1 alone) but heavy
     together is one unit: over seeds it is kept or dropped whole, never thinned as single

@@ -326,7 +326,8 @@ def test_prob_kvzip_budget_is_global_by_default():
 
 def test_prob_core_defaults_follow_the_score_and_the_sampler():
     """S10.2: each score's pps core by default, as measured in docs/evaluation.md ("A
-    deterministic core for every score"); the with-replacement sampler has no core."""
+    deterministic core for every score"; ``uniform``: "Defensive proposals for the
+    position-driven scores"); the with-replacement sampler has no core."""
     measured = {
         "h2o": 0.5,
         "h2o-h": 0.5,
@@ -336,7 +337,7 @@ def test_prob_core_defaults_follow_the_score_and_the_sampler():
         "tova": 0.9,
         "knorm": 0.0,
         "streaming_llm": 0.9,
-        "uniform": 0.0,
+        "uniform": 0.9,
         "kvzip": 0.5,
         "h2o-rec": 0.5,
         "min-rec": 0.5,
@@ -400,16 +401,27 @@ def test_kvzip_names():
 
 
 def test_prob_block_defaults_follow_the_score_and_the_sampler():
-    """S10.3: blocks of 8 by default, single entries for ``kvzip`` (docs/evaluation.md,
-    "Attention error on the task prompts"); the with-replacement sampler has no blocks; the
-    canonical name drops the score's own default and keeps any other block."""
+    """S10.3: blocks of 8 by default, spans of at most 32 entries for ``kvzip``
+    (docs/evaluation.md, "Spans for `prob:kvzip`"); the with-replacement sampler has single
+    entries; the canonical name drops the score's own defaults and keeps any other design."""
     blocks = {s: scores.prob_block(s) for s in SCORE_NAMES}
-    assert blocks == {s: (1 if s == "kvzip" else scores.DEFAULT_PROB_BLOCK) for s in SCORE_NAMES}
+    assert blocks == {s: (32 if s == "kvzip" else scores.DEFAULT_PROB_BLOCK) for s in SCORE_NAMES}
+    units = {s: scores.prob_units(s) for s in SCORE_NAMES}
+    assert units == {s: ("spans" if s == "kvzip" else "blocks") for s in SCORE_NAMES}
     assert scores.DEFAULT_PROB_BLOCK == 8
-    assert parse_method("prob:kvzip").block == 1 and parse_method("prob:h2o-rec").block == 8
-    assert parse_method("prob:kvzip/sampler=with_replacement").block == 1
-    assert method_name(parse_method("prob:kvzip/block=1", 0.5)) == "prob:kvzip"
-    assert method_name(parse_method("prob:kvzip/block=8", 0.5)) == "prob:kvzip/block=8"
+    kvzip = parse_method("prob:kvzip")
+    assert (kvzip.block, kvzip.units) == (32, "spans")
+    assert (parse_method("prob:h2o-rec").block, parse_method("prob:h2o-rec").units) == (8, "blocks")
+    plain = parse_method("prob:kvzip/sampler=with_replacement")
+    assert (plain.block, plain.units) == (1, "blocks")
+    assert method_name(parse_method("prob:kvzip/block=32/units=spans", 0.5)) == "prob:kvzip"
+    assert method_name(parse_method("prob:kvzip/block=1", 0.5)) == "prob:kvzip/block=1"
+    assert (
+        method_name(parse_method("prob:kvzip/block=8/units=blocks", 0.5))
+        == "prob:kvzip/block=8/units=blocks"
+    )
     assert method_name(parse_method("prob:knorm/block=1", 0.5)) == "prob:knorm/block=1"
+    with pytest.raises(ValueError, match="prob_units"):
+        scores.ScoreSpec(scores.knorm, ("key",), prob_units="words")
     with pytest.raises(ValueError, match="prob_block"):
         scores.ScoreSpec(scores.knorm, ("key",), prob_block=0)

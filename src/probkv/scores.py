@@ -154,12 +154,14 @@ class ScoreSpec:
     probkv's measurements (docs/evaluation.md, "A deterministic core for every score"): 0.5
     for the attention-statistics scores (``h2o``, ``h2o-h``, ``min``, ``min-h``) and the
     reconstruction scores, whose top entries are the ones later questions need; 0.9 for
-    ``tova`` and ``streaming_llm``, which rank by one query or by position (any thinning of
-    their recent run loses answers); 0 (pure pps) for ``snapkv``, ``knorm`` and ``uniform``.
-    ``prob_block``: entries per sampling unit of ``prob:<score>``'s pps by default (S10.3):
-    ``DEFAULT_PROB_BLOCK`` (8) but for ``kvzip``, whose sample is drawn globally over
-    entries ranked by reconstruction (1: single entries; docs/evaluation.md, "Attention error
-    on the task prompts").
+    ``tova``, ``streaming_llm`` and ``uniform`` (whose top-k is the recent window by its tie
+    rule), which rank by one query or by position (any thinning of their recent run loses
+    answers); 0 (pure pps) for ``snapkv`` and ``knorm``.
+    ``prob_block``, ``prob_units``: the sampling units of ``prob:<score>``'s pps by default
+    (S10.3): blocks of ``DEFAULT_PROB_BLOCK`` (8) entries, but for ``kvzip``, whose sample is
+    drawn globally over entries ranked by reconstruction, spans of at most 32 entries (runs
+    of above-average proposal, so a number or a UUID is kept whole; docs/evaluation.md,
+    "Spans for `prob:kvzip`").
     ``prob_uniform_mix``, ``prob_tau``: the proposal's weight against the uniform distribution
     (S2's defensive mixture) and the weight temperature (S4) of ``prob:<score>``'s pps by
     default: 1 and 1 but for ``tova`` (mixture 0.5: its one-query proposal gives most entries
@@ -180,6 +182,7 @@ class ScoreSpec:
     prob_block: int = DEFAULT_PROB_BLOCK
     prob_uniform_mix: float = 1.0
     prob_tau: float = 1.0
+    prob_units: Literal["blocks", "spans"] = "blocks"
 
     def __post_init__(self) -> None:
         # A row that cannot be called as declared fails at import, not at the first prefill.
@@ -202,6 +205,7 @@ class ScoreSpec:
             raise ValueError(f"{self.function.__name__}: prob_uniform_mix must be in (0, 1]")
         if not self.prob_tau > 0.0:
             raise ValueError(f"{self.function.__name__}: prob_tau must be > 0")
+        check_choice(self.prob_units, ("blocks", "spans"), "prob_units")
         if isinstance(self.last_rows, str):
             check_choice(self.last_rows, self.params, "last_rows")
         else:
@@ -282,7 +286,7 @@ SCORE_TABLE: dict[str, ScoreSpec] = {
         prob_core=0.9,
         prob_tau=2.0,
     ),
-    "uniform": ScoreSpec(uniform, ("t", "num_kv_heads", "device")),
+    "uniform": ScoreSpec(uniform, ("t", "num_kv_heads", "device"), prob_core=0.9),
     # S10.1: read from the reconstruction pass (KVzip); 4 sinks as kvpress, KVzip's chunks
     "kvzip": ScoreSpec(
         kvzip,
@@ -292,7 +296,8 @@ SCORE_TABLE: dict[str, ScoreSpec] = {
         source="reconstruction",
         budget_scope="global",
         prob_core=0.5,
-        prob_block=1,
+        prob_block=32,
+        prob_units="spans",
     ),
     "h2o-rec": ScoreSpec(
         h2o_reconstruction,
@@ -362,6 +367,11 @@ def prob_core(name: str) -> float:
 def prob_block(name: str) -> int:
     """The default block size of ``prob:<name>`` with pps (``ScoreSpec.prob_block``, S10.3)."""
     return score_spec(name).prob_block
+
+
+def prob_units(name: str) -> str:
+    """The default sampling units of ``prob:<name>`` with pps (``ScoreSpec.prob_units``)."""
+    return score_spec(name).prob_units
 
 
 def prob_uniform_mix(name: str) -> float:

@@ -137,7 +137,7 @@ def test_no_answer_tokens_gives_no_answer_row(llama):
     [
         ({"methods": ["full"]}, "full cache, the reference"),
         ({"methods": ["snapkv", "snapkv"]}, "snapkv twice"),
-        ({"methods": ["prob:kvzip", "prob:kvzip/block=1"]}, "prob:kvzip twice"),
+        ({"methods": ["prob:kvzip", "prob:kvzip/block=32/units=spans"]}, "prob:kvzip twice"),
         ({"methods": ["nosuch"]}, "nosuch"),
         ({"methods": []}, "at least one method"),
         ({"ratios": [0.0]}, r"\(0, 1\)"),

@@ -70,10 +70,12 @@ class ProbabilisticPolicy(EvictionPolicy):
     - ``seed``: same seed, same kept set.
     - ``pool``: max-pool the log-scores over positions with this odd kernel before they become
       the proposal (S10; 1 = none), so a needle's neighbours share its score.
-    - Span-preserving pps designs (S10.2-S10.4; ``sampler="pps"`` only; defaults: blocks of 8
+    - Span-preserving pps designs (S10.2-S10.4; ``sampler="pps"`` only; defaults: the
+      score's ``prob_block`` and ``prob_units``, blocks of 8 (``kvzip``: spans of at most 32)
       in random order, and the score's ``prob_core``: 0.5 for the attention-statistics and
-      reconstruction scores, 0.9 for ``tova`` and ``streaming_llm``, 0 for ``snapkv``,
-      ``knorm`` and ``uniform``, from docs/evaluation.md): ``core`` = f in [0, 1], per head the ``floor(f b)`` entries of largest proposal
+      reconstruction scores, 0.9 for ``tova``, ``streaming_llm`` and ``uniform``, 0 for
+      ``snapkv`` and ``knorm``, from docs/evaluation.md): ``core`` = f in [0, 1], per head the
+      ``floor(f b)`` entries of largest proposal
       (``b`` = budget after forced entries; ties by the score, then the later position) are
       kept with weight 1 and the rest of the budget is pps over the other entries (``core=1``
       is the top-k method of ``score``); ``block`` = entries per sampling unit (runs of
@@ -114,7 +116,7 @@ class ProbabilisticPolicy(EvictionPolicy):
     core: float | None = None  # None: the score's prob_core for sampler="pps", 0 otherwise
     block: int | None = None  # None: the score's prob_block for sampler="pps", 1 otherwise
     order: str | None = None  # None: PPS_ORDER for sampler="pps", "position" otherwise
-    units: str = "blocks"  # S10.3: fixed blocks, or spans cut where the proposal drops
+    units: str | None = None  # None: the score's prob_units for sampler="pps", else "blocks"
     pool: int = 1
 
     # Fields whose defaults depend on these (core, block, order on the sampler): method names
@@ -157,6 +159,8 @@ class ProbabilisticPolicy(EvictionPolicy):
             object.__setattr__(self, "block", scores.prob_block(self.score) if pps else 1)
         if self.order is None:
             object.__setattr__(self, "order", PPS_ORDER if pps else "position")
+        if self.units is None:
+            object.__setattr__(self, "units", scores.prob_units(self.score) if pps else "blocks")
         core = check_fraction(self.core, "core", what="share of the sampled budget taken top-k")
         object.__setattr__(self, "core", core)
         designs.check_block(self.block)
