@@ -170,6 +170,7 @@ def test_refused_by_name(model):
         ("pyramidkv", "layer_budgets"),
         ("prob:h2o/scope=global", "scope"),
         ("kvzip", "reconstruction"),
+        ("prob:h2o/units=spans", "units='spans'"),
     ):
         with pytest.raises(ValueError, match=word):
             ProbKVCache(model.config, parse_method(method), max_entries=8)

@@ -69,12 +69,16 @@ class DecodeBudget:
             refused.append(f"scope={policy.scope!r}")
         if scores.needs_reconstruction(policy.score):
             refused.append(f"score={policy.score!r} (read from a reconstruction pass, S10.1)")
+        if getattr(policy, "units", "blocks") != "blocks":
+            # spans of unequal size keep a random count, with no bound of one block (S10.3)
+            refused.append(f"units={policy.units!r} (its kept count has no bound)")
         if refused:
             raise ValueError(
                 f"a decode budget (max_entries) holds every KV head to {self.max_entries} "
                 f"entries; this policy has {', '.join(refused)}, which cannot be held at decode. "
                 "Use head_budgets='uniform', layer_budgets='uniform', scope='head' and a score "
-                "computed from the model's own rows (h2o, h2o-h, snapkv, tova, ...)"
+                "computed from the model's own rows (h2o, h2o-h, snapkv, tova, ...), with "
+                "units='blocks'"
             )
 
     def prompt_policy(self, policy: EvictionPolicy, prompt_entries: int) -> EvictionPolicy:
