@@ -119,7 +119,8 @@ class ProbabilisticPolicy(EvictionPolicy):
     units: str | None = None  # None: the score's prob_units for sampler="pps", else "blocks"
     pool: int = 1
 
-    # Fields whose defaults depend on these (core, block, order on the sampler): method names
+    # Fields whose defaults depend on these (core, block, order, units, tau, uniform_mix on the
+    # sampler): method names
     # compare them with the defaults of a policy with the same sampler.
     DEFAULTS_DEPEND_ON: ClassVar[tuple[str, ...]] = ("sampler",)
 
