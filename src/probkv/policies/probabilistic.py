@@ -120,8 +120,7 @@ class ProbabilisticPolicy(EvictionPolicy):
     pool: int = 1
 
     # Fields whose defaults depend on these (core, block, order, units, tau, uniform_mix on the
-    # sampler): method names
-    # compare them with the defaults of a policy with the same sampler.
+    # sampler): method names compare them with the defaults of a policy with the same sampler.
     DEFAULTS_DEPEND_ON: ClassVar[tuple[str, ...]] = ("sampler",)
 
     def __post_init__(self) -> None:
