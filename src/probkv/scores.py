@@ -23,6 +23,7 @@ from typing import Literal
 import torch
 
 from probkv._checks import check_choice, check_odd_int, check_positive_int
+from probkv.designs import UNITS
 from probkv.reconstruction import (
     DEFAULT_CHUNK_TOKENS,
     h2o_reconstruction,
@@ -160,8 +161,8 @@ class ScoreSpec:
     ``prob_block``, ``prob_units``: the sampling units of ``prob:<score>``'s pps by default
     (S10.3): blocks of ``DEFAULT_PROB_BLOCK`` (8) entries, but for ``kvzip``, whose sample is
     drawn globally over entries ranked by reconstruction, spans of at most 32 entries (runs
-    of above-average proposal, so a number or a UUID is kept whole; docs/evaluation.md,
-    "Spans for `prob:kvzip`").
+    of above-average proposal, so a number's digits are kept or dropped together;
+    docs/evaluation.md, "Spans for `prob:kvzip`").
     ``prob_uniform_mix``, ``prob_tau``: the proposal's weight against the uniform distribution
     (S2's defensive mixture) and the weight temperature (S4) of ``prob:<score>``'s pps by
     default: 1 and 1 but for ``tova`` (mixture 0.5: its one-query proposal gives most entries
@@ -205,7 +206,7 @@ class ScoreSpec:
             raise ValueError(f"{self.function.__name__}: prob_uniform_mix must be in (0, 1]")
         if not self.prob_tau > 0.0:
             raise ValueError(f"{self.function.__name__}: prob_tau must be > 0")
-        check_choice(self.prob_units, ("blocks", "spans"), "prob_units")
+        check_choice(self.prob_units, UNITS, "prob_units")
         if isinstance(self.last_rows, str):
             check_choice(self.last_rows, self.params, "last_rows")
         else:
@@ -372,16 +373,6 @@ def prob_block(name: str) -> int:
 def prob_units(name: str) -> str:
     """The default sampling units of ``prob:<name>`` with pps (``ScoreSpec.prob_units``)."""
     return score_spec(name).prob_units
-
-
-def prob_uniform_mix(name: str) -> float:
-    """The default proposal weight of ``prob:<name>`` with pps (``ScoreSpec.prob_uniform_mix``)."""
-    return score_spec(name).prob_uniform_mix
-
-
-def prob_tau(name: str) -> float:
-    """The default weight temperature of ``prob:<name>`` with pps (``ScoreSpec.prob_tau``)."""
-    return score_spec(name).prob_tau
 
 
 def default_params(name: str) -> dict[str, object]:

@@ -40,6 +40,9 @@ SCOPES = ("head", "global")
 PPS_BLOCK = scores.DEFAULT_PROB_BLOCK  # the score table's default block (ScoreSpec.prob_block)
 PPS_ORDER = "random"
 SAMPLERS = ("with_replacement", "pps")
+# Options left None take the score's measured pps design (ScoreSpec.prob_<option>, from
+# docs/evaluation.md) with sampler="pps", and these fixed values with the paper's sampler.
+PLAIN_DEFAULTS = {"tau": 1.0, "uniform_mix": 1.0, "core": 0.0, "block": 1, "units": "blocks"}
 WEIGHTS = ("counts", "inclusion")
 
 
@@ -130,12 +133,7 @@ class ProbabilisticPolicy(EvictionPolicy):
         check_choice(self.scope, SCOPES, "scope")
         check_choice(self.sampler, SAMPLERS, "sampler")
         check_choice(self.weights, WEIGHTS, "weights")
-        pps = self.sampler == "pps"
-        if self.tau is None:
-            object.__setattr__(self, "tau", scores.prob_tau(self.score) if pps else 1.0)
-        if self.uniform_mix is None:
-            mix = scores.prob_uniform_mix(self.score) if pps else 1.0
-            object.__setattr__(self, "uniform_mix", mix)
+        self._fill_sampler_defaults()
         object.__setattr__(self, "tau", check_tau(self.tau, "tau"))
         object.__setattr__(self, "proposal_tau", check_tau(self.proposal_tau, "proposal_tau"))
         mix = check_fraction(self.uniform_mix, "uniform_mix", what="weight of the proposal")
@@ -150,17 +148,18 @@ class ProbabilisticPolicy(EvictionPolicy):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         self._check_span_options()
 
-    def _check_span_options(self) -> None:
-        """S10: ``core``, ``block``, ``order`` (pps designs) and ``pool``."""
+    def _fill_sampler_defaults(self) -> None:
+        """Options left ``None``: the score's pps design, or ``PLAIN_DEFAULTS`` (S9, S10)."""
         pps = self.sampler == "pps"
-        if self.core is None:
-            object.__setattr__(self, "core", scores.prob_core(self.score) if pps else 0.0)
-        if self.block is None:
-            object.__setattr__(self, "block", scores.prob_block(self.score) if pps else 1)
+        spec = scores.score_spec(self.score)
+        for name, plain in PLAIN_DEFAULTS.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, getattr(spec, f"prob_{name}") if pps else plain)
         if self.order is None:
             object.__setattr__(self, "order", PPS_ORDER if pps else "position")
-        if self.units is None:
-            object.__setattr__(self, "units", scores.prob_units(self.score) if pps else "blocks")
+
+    def _check_span_options(self) -> None:
+        """S10: ``core``, ``block``, ``order``, ``units`` (pps designs) and ``pool``."""
         core = check_fraction(self.core, "core", what="share of the sampled budget taken top-k")
         object.__setattr__(self, "core", core)
         designs.check_block(self.block)
