@@ -7,7 +7,7 @@ so a user never gets a silent wrong answer (see docs/architecture.md).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -94,3 +94,13 @@ def check_odd_int(value: int, name: str) -> int:
     if value % 2 == 0:
         raise ValueError(f"{name} must be odd (centred pooling keeps the length), got {value}")
     return value
+
+
+def check_token_ids(ids: Sequence[int] | torch.Tensor, name: str) -> torch.Tensor:
+    """``[1, n]`` int64 token ids from a list or a ``[n]`` / ``[1, n]`` tensor (``n >= 1``)."""
+    tensor = torch.as_tensor(ids, dtype=torch.int64)
+    if tensor.ndim == 2 and tensor.shape[0] == 1:
+        tensor = tensor[0]
+    if tensor.ndim != 1 or tensor.numel() == 0:
+        raise ValueError(f"{name} must be a non-empty 1-D sequence of token ids, got {ids!r}")
+    return tensor.unsqueeze(0)

@@ -68,7 +68,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from probkv import estimator, scores
-from probkv._checks import check_choice, check_positive_int, check_ratio, check_tau
+from probkv._checks import (
+    check_choice,
+    check_positive_int,
+    check_ratio,
+    check_tau,
+    check_token_ids,
+)
 from probkv.eval.attention_prompts import (
     PROMPT_FORMATS,
     AttentionPrompt,
@@ -168,16 +174,6 @@ DEFINITIONS = {
 
 
 # ---------------------------------------------------------------------------------- capture
-
-
-def _as_ids(ids: Sequence[int] | torch.Tensor, name: str) -> torch.Tensor:
-    """``[1, n]`` int64 from a list or a ``[n]`` / ``[1, n]`` tensor (n >= 1)."""
-    tensor = torch.as_tensor(ids, dtype=torch.int64)
-    if tensor.ndim == 2 and tensor.shape[0] == 1:
-        tensor = tensor[0]
-    if tensor.ndim != 1 or tensor.numel() == 0:
-        raise ValueError(f"{name} must be a non-empty 1-D sequence of token ids, got {ids!r}")
-    return tensor.unsqueeze(0)
 
 
 def evicting_layers(model) -> list[int]:
@@ -426,8 +422,8 @@ def measure_attention_error(
         steps=steps,
     )
     weights_field = "inclusion" if weights == "pps" else weights  # the policy's field
-    context = _as_ids(context_ids, "context_ids")[0]
-    decode = _as_ids(decode_ids, "decode_ids")[0]
+    context = check_token_ids(context_ids, "context_ids")[0]
+    decode = check_token_ids(decode_ids, "decode_ids")[0]
     n_steps = max(steps, 1)
     if decode.numel() < n_steps:
         raise ValueError(f"decode_ids has {decode.numel()} tokens; steps={steps} needs {n_steps}")

@@ -36,8 +36,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from probkv._checks import check_positive_int, check_ratio
-from probkv.eval.attention_error import _as_ids, evicting_layers
+from probkv._checks import check_positive_int, check_ratio, check_token_ids
+from probkv.eval.attention_error import evicting_layers
 from probkv.policies import (
     EvictionPolicy,
     FullCache,
@@ -138,8 +138,8 @@ def measure_method_errors(
     from probkv import hf  # transformers, imported on use
 
     methods = validate_methods(methods, ratios, seeds)
-    context = _as_ids(context_ids, "context_ids")[0]
-    decode = _as_ids(decode_ids, "decode_ids")[0]
+    context = check_token_ids(context_ids, "context_ids")[0]
+    decode = check_token_ids(decode_ids, "decode_ids")[0]
     n = decode.numel()
     if not 0 <= num_fed <= n:
         raise ValueError(f"num_fed must be in [0, {n}] (decode tokens), got {num_fed}")
