@@ -418,25 +418,34 @@ def test_span_of_three_monte_carlo():
 # ------------------------------------------------------------- spans (S10.3, units="spans")
 
 
-def reference_spans(p: list[float], block: int) -> list[int]:
+def reference_spans(p: list[float], block: int, gap: int = 0) -> list[int]:
     """Slow reference of ``spans``: walk the eligible entries (p > 0) in position order; a high
     entry (p >= the exact mean over eligible entries) joins the current unit when the previous
     eligible entry was high and the unit holds fewer than ``block`` entries; every other
-    eligible entry opens a new unit. -1 for ineligible entries."""
+    eligible entry opens a new unit. With ``gap``, a run of at most ``gap`` low eligible entries
+    with a high one on each side counts as high first. -1 for ineligible entries."""
     eligible = [x for x in p if x > 0]
     mean = Fraction(math.fsum(eligible)) / len(eligible) if eligible else 0
-    units, unit, size, previous_high = [], -1, 0, False
+    high = [Fraction(x) >= mean for x in eligible]
+    i = 0
+    while i < len(high):  # bridge each run of lows that has highs on both sides
+        j = i
+        while j < len(high) and not high[j]:
+            j += 1
+        if j > i and i > 0 and j < len(high) and j - i <= gap:
+            high[i:j] = [True] * (j - i)
+        i = max(j, i + 1)
+    units, unit, size, previous_high, rank = [], -1, 0, False, 0
     for x in p:
         if x <= 0:
             units.append(-1)
             continue
-        high = Fraction(x) >= mean
-        if high and previous_high and size < block:
+        if high[rank] and previous_high and size < block:
             size += 1
         else:
             unit, size = unit + 1, 1
         units.append(unit)
-        previous_high = high
+        previous_high, rank = high[rank], rank + 1
     return units
 
 
@@ -453,46 +462,61 @@ def test_spans_cut_where_the_proposal_drops():
     assert torch.equal(spans(p, 1)[0], blocks(p > 0, 1)[0])  # block 1: the entries
 
 
+def test_spans_bridge_short_runs_of_low_entries():
+    """``gap``: a separator scoring below the mean (a UUID's ``-``) stays inside the span when
+    the low run is at most ``gap`` long and has a high entry on each side; a low run at the
+    row's ends is never bridged; the zero at position 7 is skipped, not counted."""
+    p = torch.tensor([[1, 4, 4, 1, 4, 1, 1, 0, 4, 1, 1, 1, 4, 1]], dtype=F64)  # mean 28/13
+    assert spans(p, 9)[0][0].tolist() == [0, 1, 1, 2, 3, 4, 5, -1, 6, 7, 8, 9, 10, 11]
+    assert spans(p, 9, gap=1)[0][0].tolist() == [0, 1, 1, 1, 1, 2, 3, -1, 4, 5, 6, 7, 8, 9]
+    assert spans(p, 9, gap=2)[0][0].tolist() == [0, 1, 1, 1, 1, 1, 1, -1, 1, 2, 3, 4, 5, 6]
+    assert spans(p, 20, gap=3)[0][0].tolist() == [0, 1, 1, 1, 1, 1, 1, -1, 1, 1, 1, 1, 1, 2]
+    assert spans(p, 4, gap=3)[0][0].tolist() == [0, 1, 1, 1, 1, 2, 2, -1, 2, 2, 3, 3, 3, 4]
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     rows=st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=30), min_size=1, max_size=4),
     block=st.integers(1, 6),
+    gap=st.integers(0, 3),
 )
-def test_spans_match_the_reference(rows, block):
+def test_spans_match_the_reference(rows, block, gap):
     """The vectorised ``spans`` against the walk above, row by row (integer proposals: exact
     means, and ties with the mean are frequent); ``sizes`` count each unit's entries."""
     t = max(len(r) for r in rows)
     p = torch.tensor([r + [0] * (t - len(r)) for r in rows], dtype=F64)
-    units, sizes = spans(p, block)
+    units, sizes = spans(p, block, gap)
     for i, row in enumerate(p.tolist()):
-        expected = reference_spans(row, block)
+        expected = reference_spans(row, block, gap)
         assert units[i].tolist() == expected
         counts = [expected.count(k) for k in range(sizes.shape[1])]
         assert sizes[i].tolist() == counts
         assert max(counts) <= block
 
 
-SPAN_CASES = [  # (proposal, block, n): at most 6 units, so every visiting order is enumerated
-    ([1, 4, 4, 4, 1, 1, 3, 3, 1], 3, 3),
-    ([1, 4, 4, 4, 1, 1, 3, 3, 1], 2, 4),
-    ([2, 5, 5, 1, 5, 5, 5, 0], 3, 2),
-    ([1, 1, 9, 9, 9, 9, 1], 2, 3),  # the span of four is cut in two
-    ([3, 3, 3, 3, 3, 3], 4, 2),  # all equal: all high, spans of 4 and 2
-    ([1, 6, 6, 1, 6, 6], 2, 5),  # take-all units
+SPAN_CASES = [  # (proposal, block, n, gap): at most 6 units, so every order is enumerated
+    ([1, 4, 4, 4, 1, 1, 3, 3, 1], 3, 3, 0),
+    ([1, 4, 4, 4, 1, 1, 3, 3, 1], 2, 4, 0),
+    ([2, 5, 5, 1, 5, 5, 5, 0], 3, 2, 0),
+    ([1, 1, 9, 9, 9, 9, 1], 2, 3, 0),  # the span of four is cut in two
+    ([3, 3, 3, 3, 3, 3], 4, 2, 0),  # all equal: all high, spans of 4 and 2
+    ([1, 6, 6, 1, 6, 6], 2, 5, 0),  # take-all units
+    ([2, 5, 5, 1, 5, 5, 5, 0], 8, 3, 1),  # the low 1 is bridged: one span of 6 entries
+    ([1, 4, 4, 1, 1, 3, 3, 1, 4], 3, 4, 2),  # bridged, then cut at 3
 ]
 
 
 @pytest.mark.parametrize("order", designs.ORDERS)
-@pytest.mark.parametrize(("p", "block", "n"), SPAN_CASES)
-def test_span_design_is_exactly_unbiased(order, p, block, n):
+@pytest.mark.parametrize(("p", "block", "n", "gap"), SPAN_CASES)
+def test_span_design_is_exactly_unbiased(order, p, block, n, gap):
     """Exact enumeration as for blocks (every permutation of the units x every offset): the
     implementation keeps the reference's units, each unit is kept with probability exactly
     P_k, every entry of a kept span is kept (one unit), the Horvitz-Thompson total is exactly
     unbiased, and the expected kept count is the budget."""
     pi = torch.tensor([p], dtype=F64)
-    design = block_design(pi, n, block, units="spans")
+    design = block_design(pi, n, block, units="spans", gap=gap)
     assert design.kind == "spans"
-    assert design.units[0].tolist() == reference_spans(p, block)
+    assert design.units[0].tolist() == reference_spans(p, block, gap)
     P, sizes = design.inclusion[0].tolist(), design.sizes[0].tolist()
     units = design.units[0].tolist()
     f = [Fraction(x) for x in torch.rand(len(p), generator=gen(block), dtype=F64).tolist()]
@@ -587,6 +611,10 @@ def test_bad_input_names_the_value():
     pi = proposal(2, 5, 0)
     with pytest.raises(ValueError, match=r"block must be an integer >= 1 .*got 0"):
         block_design(pi, 2, 0)
+    with pytest.raises(ValueError, match=r"gap must be an integer >= 0 .*got -1"):
+        block_design(pi, 2, 4, units="spans", gap=-1)
+    with pytest.raises(ValueError, match="gap=1 bridges low entries inside spans: it needs"):
+        block_design(pi, 2, 4, gap=1)
     with pytest.raises(ValueError, match="pi must be finite and >= 0"):
         block_design(-pi, 2, 1)
     with pytest.raises(ValueError, match=r"pi must be a tensor \[rows, t\]"):

@@ -727,6 +727,8 @@ def test_span_designs_global_property(lengths, heads, ratio, core, block, order,
         "units=spans/block=4",
         "core=0.5/units=spans/block=3",
         "scope=global/core=0.5/units=spans/block=4",
+        "units=spans/block=6/gap=2",
+        "scope=global/core=0.5/units=spans/block=8/gap=1",
     ],
 )
 def test_span_designs_corrected_total_is_unbiased(options):
@@ -767,6 +769,12 @@ def test_span_options_fail_naming_the_value():
         ProbabilisticPolicy(units="words")
     with pytest.raises(ValueError, match="designs of sampler='pps'"):
         ProbabilisticPolicy(sampler="with_replacement", units="spans")
+    with pytest.raises(ValueError, match=r"gap must be an integer >= 0 .*got -1"):
+        ProbabilisticPolicy(units="spans", gap=-1)
+    with pytest.raises(
+        ValueError, match=r"gap=1 bridges .* needs units='spans', got units='blocks'"
+    ):
+        ProbabilisticPolicy(units="blocks", gap=1)
 
 
 @pytest.mark.parametrize("scope", ["head", "global"])
@@ -812,3 +820,24 @@ def test_spans_keep_a_heavy_run_whole():
     )
     assert whole["entries"] == 0
     assert abs(whole["spans"] / 200 - p_run) <= 5 * math.sqrt(p_run * (1 - p_run) / 200)
+
+
+def test_gap_keeps_a_run_with_a_separator_whole():
+    """gap=1: a heavy run split by one light separator (a UUID's ``-``) is one unit: over seeds
+    the nine entries are kept or dropped together; without the bridge the two halves are
+    separate units, kept apart in some seeds."""
+    t = 64
+    log_scores = torch.zeros(1, t)
+    log_scores[0, 20:24] = log_scores[0, 25:30] = 0.7
+    log_scores[0, 24] = -1.0  # the separator, below the mean
+    obs = synthetic(log_scores, 0)
+    split = {0: 0, 1: 0}
+    for seed in range(200):
+        for gap in (0, 1):
+            policy = ProbabilisticPolicy(
+                score="h2o", ratio=0.95, core=0.0, seed=seed, units="spans", block=16, gap=gap
+            )
+            (sel,) = policy.select([obs], num_layers=1)
+            kept = set(sel.head(0)[0].tolist()) & set(range(20, 30))
+            split[gap] += len(kept) not in (0, 10)
+    assert split[1] == 0 and split[0] > 0

@@ -179,14 +179,24 @@ VALUES = {
     "block": ["1", "4", "8"],
     "order": ["position", "random"],
     "units": ["blocks", "spans"],
+    "gap": ["0", "1", "2"],
     "pool": ["1", "3", "7"],
 }
-SPAN_DEFAULTS = {"core=0", "block=1", "order=position", "units=blocks"}  # S10: sampler=pps
+SPAN_DEFAULTS = {"core=0", "block=1", "order=position", "units=blocks", "gap=0"}  # S10: pps
+SPAN_OPTIONS = ("core", "block", "order", "units", "gap")
 
 
 def span_design_without_pps(options: list[str]) -> bool:
-    span = [o for o in options if o.split("=")[0] in ("core", "block", "order", "units")]
+    span = [o for o in options if o.split("=")[0] in SPAN_OPTIONS]
     return "sampler=with_replacement" in options and not set(span) <= SPAN_DEFAULTS
+
+
+def gap_without_spans(name: str, options: list[str]) -> bool:
+    """A gap > 0 where the units (given, or the method's default) are not spans."""
+    if not any(o.startswith("gap=") and o != "gap=0" for o in options):
+        return False
+    units = [o for o in options if o.startswith("units=")]
+    return units != ["units=spans"] and (units or name != "prob:kvzip")
 
 
 @settings(max_examples=150, deadline=None)
@@ -198,6 +208,7 @@ def test_parse_and_name_round_trip(data):
     keys = data.draw(st.lists(st.sampled_from(method_options(name)), unique=True, max_size=5))
     options = [f"{k}={data.draw(st.sampled_from(VALUES[k]))}" for k in keys]
     assume(not span_design_without_pps(options))  # refused by name (test below)
+    assume(not gap_without_spans(name, options))  # refused by name (test below)
     spec = "/".join([name, *options])
     ratio = data.draw(st.sampled_from([0.0, 0.25, 0.5, 0.9]))
     policy = parse_method(spec, ratio=ratio)
@@ -291,6 +302,8 @@ def test_method_options_per_family():
             r"block=1",
         ),
         ("prob:h2o/sampler=with_replacement/units=spans", "designs of sampler='pps'"),
+        ("prob:h2o/gap=1", "gap=1 bridges low entries inside spans: it needs units='spans'"),
+        ("prob:kvzip/gap=two", "gap must be an integer >= 0"),
         ("prob:h2o/sampler=with_replacement/order=random", "designs of sampler='pps'"),
         ("prob:h2o/sampler=with_replacement/core=0.5", "designs of sampler='pps'"),
     ],

@@ -242,7 +242,7 @@ def blocks(eligible: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tens
     return units, sizes
 
 
-def spans(p: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+def spans(p: torch.Tensor, block: int, gap: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Partition each row's eligible entries (``p > 0``) into spans (S10.3, ``units="spans"``).
 
     An entry is *high* when its ``p`` is at least the mean of ``p`` over the row's eligible
@@ -253,22 +253,32 @@ def spans(p: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     surely (a number's digits) is kept or dropped whole, with the probability of the run.
     ``block = 1``: every entry is a unit (S9's pps).
 
+    ``gap``: a run of at most ``gap`` low entries between two high ones joins the span, so a
+    separator the model predicts easily (the ``-`` of a UUID, the ``.`` of a date) does not
+    split it. The cut still depends on the proposal only.
+
     Returns ``(units, sizes)`` as ``blocks`` does (``K`` = the largest number of units of a row).
     """
     _rows(p, "p")
     block = check_block(block)
+    gap = check_gap(gap)
     eligible = p > 0
     rows, t = p.shape
     count = eligible.sum(-1, keepdim=True)
     mean = torch.where(eligible, p, 0.0).sum(-1, keepdim=True) / count.clamp(min=1)
     high = eligible & (p >= mean)
+    rank = eligible.to(torch.int64).cumsum(-1) - 1
+    if gap > 0:  # bridge: the high entries before and after are at most gap + 1 ranks apart
+        before = torch.where(high, rank, -1).cummax(-1).values
+        none = t + gap + 2
+        after = torch.where(high, rank, none).flip(-1).cummin(-1).values.flip(-1)
+        high = high | (eligible & (before >= 0) & (after < none) & (after - before <= gap + 1))
     position = torch.arange(t, device=p.device).expand(rows, t)
     # the previous eligible entry of each entry (-1: none), and whether it is high
     last = torch.where(eligible, position, -1).cummax(-1).values
     prev = torch.cat([last.new_full((rows, 1), -1), last[:, :-1]], -1)
     high_prev = (prev >= 0) & high.gather(-1, prev.clamp(min=0))
     starts = high & ~high_prev
-    rank = eligible.to(torch.int64).cumsum(-1) - 1
     run_start = torch.where(starts, rank, -1).cummax(-1).values
     new_unit = eligible & (~high | starts | ((rank - run_start) % block == 0))
     units = torch.where(eligible, new_unit.to(torch.int64).cumsum(-1) - 1, -1)
@@ -276,6 +286,15 @@ def spans(p: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     sizes = torch.zeros(rows, num_units, dtype=torch.int64, device=p.device)
     sizes.scatter_add_(-1, units.clamp(min=0), eligible.to(torch.int64))
     return units, sizes
+
+
+def check_gap(gap: int, name: str = "gap") -> int:
+    """Low entries bridged inside a span (``spans``): an integer ``>= 0``."""
+    if isinstance(gap, bool) or not isinstance(gap, numbers.Integral) or gap < 0:
+        raise ValueError(
+            f"{name} must be an integer >= 0 (low entries bridged inside a span), got {gap!r}"
+        )
+    return int(gap)
 
 
 def check_units(units: str) -> str:
@@ -318,10 +337,12 @@ def _capped(mass: torch.Tensor, num: torch.Tensor, den: torch.Tensor) -> torch.T
 
 
 def _units(
-    p: torch.Tensor, block: int, kind: str = "blocks"
+    p: torch.Tensor, block: int, kind: str = "blocks", gap: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(units, sizes, masses)`` of the blocks (or spans) of the entries with ``p > 0``."""
-    units, sizes = blocks(p > 0, block) if check_units(kind) == "blocks" else spans(p, block)
+    if check_units(kind) == "blocks" and check_gap(gap) > 0:
+        raise ValueError(f"gap={gap!r} bridges low entries inside spans: it needs units='spans'")
+    units, sizes = blocks(p > 0, block) if kind == "blocks" else spans(p, block, gap)
     masses = torch.zeros(sizes.shape, dtype=torch.float64, device=p.device)
     masses.scatter_add_(-1, units.clamp(min=0), torch.where(units >= 0, p, 0.0))
     return units, sizes, masses
@@ -334,6 +355,7 @@ def block_design(
     *,
     outside: torch.Tensor | None = None,
     units: str = "blocks",
+    gap: int = 0,
 ) -> UnitDesign:
     """Block pps per row (S10.3): units of ``block`` consecutive entries with ``pi > 0`` not
     ``outside``, ``P_k = min(1, lam M_k)`` with ``sum_k |B_k| P_k = n`` (expected entries kept).
@@ -352,9 +374,10 @@ def block_design(
         outside: optional bool ``[R, t]``: more entries left out of the design (the core).
         units: ``"blocks"`` (runs of ``block`` entries) or ``"spans"`` (``spans``: runs of
             above-average proposal, at most ``block`` entries, after ``outside`` is removed).
+        gap: with ``units="spans"``, the longest run of low entries bridged inside a span.
     """
     p = _mass(pi, outside, "pi")
-    unit_of, sizes, masses = _units(p, block, units)
+    unit_of, sizes, masses = _units(p, block, units, gap)
     num, den = capped_scale(masses, sizes, _per_row(n, p.shape[0], "n", p.device))
     return UnitDesign(unit_of, _capped(masses, num, den), sizes, units)
 
@@ -380,6 +403,7 @@ def block_design_global(
     outside: Sequence[torch.Tensor] | None = None,
     row_mass: Sequence[torch.Tensor] | None = None,
     units: str = "blocks",
+    gap: int = 0,
 ) -> list[UnitDesign]:
     """``block_design`` with one ``lam`` for every row of every tensor (scope "global", S9):
     ``sum`` over all heads of ``sum_k |B_k| P_k`` is ``n``. With ``block = 1`` this is
@@ -388,8 +412,8 @@ def block_design_global(
     head's weight against the others, 1 if None), before ``outside`` (one mask per tensor)
     zeroes entries, so ``lam`` compares the heads as weighed: ``P = min(1, lam m_h pi)`` on the
     remaining entries. A head's own expected size is then real, and its kept count random
-    (``sample_design``). ``units`` as in ``block_design`` (spans are cut per row, on its own
-    mean)."""
+    (``sample_design``). ``units`` and ``gap`` as in ``block_design`` (spans are cut per row, on
+    its own mean)."""
     if not isinstance(pis, (list, tuple)) or len(pis) == 0:
         raise ValueError("pis must be a non-empty list of tensors [rows, t]")
     masks = [None] * len(pis) if outside is None else list(outside)
@@ -397,7 +421,7 @@ def block_design_global(
         raise ValueError(f"outside must hold one mask per tensor ({len(pis)}), got {len(masks)}")
     weights = sampling.row_masses(row_mass, pis)
     parts = [
-        _units(_mass(p, o, f"pis[{i}]", row_mass=w), block, units)
+        _units(_mass(p, o, f"pis[{i}]", row_mass=w), block, units, gap)
         for i, (p, o, w) in enumerate(zip(pis, masks, weights))
     ]
     flat_mass = torch.cat([m.reshape(1, -1) for _, _, m in parts], -1)

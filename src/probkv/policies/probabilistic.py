@@ -42,7 +42,14 @@ PPS_ORDER = "random"
 SAMPLERS = ("with_replacement", "pps")
 # Options left None take the score's measured pps design (ScoreSpec.prob_<option>, from
 # docs/evaluation.md) with sampler="pps", and these fixed values with the paper's sampler.
-PLAIN_DEFAULTS = {"tau": 1.0, "uniform_mix": 1.0, "core": 0.0, "block": 1, "units": "blocks"}
+PLAIN_DEFAULTS = {
+    "tau": 1.0,
+    "uniform_mix": 1.0,
+    "core": 0.0,
+    "block": 1,
+    "units": "blocks",
+    "gap": 0,
+}
 WEIGHTS = ("counts", "inclusion")
 
 
@@ -88,7 +95,9 @@ class ProbabilisticPolicy(EvictionPolicy):
       ``units`` = ``"blocks"`` (the runs of ``block`` entries above) or ``"spans"`` (runs of
       entries of above-average proposal, at most ``block`` long, are the units, every other
       entry a unit of its own: a needle's tokens are kept or dropped together, the kept count
-      is random around the budget; ``designs.spans``).
+      is random around the budget; ``designs.spans``); ``gap`` (spans only) = the longest run
+      of below-average entries bridged inside a span (a UUID's ``-``; default the score's
+      ``prob_gap``, 0).
       Scope "global": the core is the ``floor(f S)`` entries of largest proposal over all heads
       of all layers (``S`` the global sampled budget), then one pps scale for the rest.
 
@@ -120,6 +129,7 @@ class ProbabilisticPolicy(EvictionPolicy):
     block: int | None = None  # None: the score's prob_block for sampler="pps", 1 otherwise
     order: str | None = None  # None: PPS_ORDER for sampler="pps", "position" otherwise
     units: str | None = None  # None: the score's prob_units for sampler="pps", else "blocks"
+    gap: int | None = None  # None: the score's prob_gap for sampler="pps", 0 otherwise
     pool: int = 1
 
     # Fields whose defaults depend on these (core, block, order, units, tau, uniform_mix on the
@@ -159,12 +169,18 @@ class ProbabilisticPolicy(EvictionPolicy):
             object.__setattr__(self, "order", PPS_ORDER if pps else "position")
 
     def _check_span_options(self) -> None:
-        """S10: ``core``, ``block``, ``order``, ``units`` (pps designs) and ``pool``."""
+        """S10: ``core``, ``block``, ``order``, ``units``, ``gap`` (pps designs), ``pool``."""
         core = check_fraction(self.core, "core", what="share of the sampled budget taken top-k")
         object.__setattr__(self, "core", core)
         designs.check_block(self.block)
         check_choice(self.order, designs.ORDERS, "order")
         designs.check_units(self.units)
+        object.__setattr__(self, "gap", designs.check_gap(self.gap))
+        if self.gap > 0 and self.units != "spans":
+            raise ValueError(
+                f"gap={self.gap!r} bridges low entries inside spans: it needs units='spans', "
+                f"got units={self.units!r}"
+            )
         proposals.check_pool_kernel(self.pool)
         if self.sampler != "pps" and self._span_design:
             raise ValueError(
@@ -332,7 +348,13 @@ class ProbabilisticPolicy(EvictionPolicy):
             cores = designs.top_entries_global(keys, designs.core_size(self.core, total), eligible)
             rest = total - sum(int(c.sum()) for c in cores)
             units = designs.block_design_global(
-                pis, rest, self.block, outside=cores, row_mass=masses, units=self.units
+                pis,
+                rest,
+                self.block,
+                outside=cores,
+                row_mass=masses,
+                units=self.units,
+                gap=self.gap,
             )
         else:
             cores, units = [], []
@@ -342,7 +364,9 @@ class ProbabilisticPolicy(EvictionPolicy):
                 cores.append(core)
                 rest = sampled - core.sum(-1)
                 units.append(
-                    designs.block_design(pi, rest, self.block, outside=core, units=self.units)
+                    designs.block_design(
+                        pi, rest, self.block, outside=core, units=self.units, gap=self.gap
+                    )
                 )
         out = []
         for pi, core, design in zip(pis, cores, units):
