@@ -63,7 +63,15 @@ def test_summary_by_hand():
     assert win["scores"] == pytest.approx({"m1": 0.5, "m2": 0.75})
     # r = 0.25 has one method only: no win score there.
     assert summary["tasks"] == {"A": 2, "B": 1} and summary["num_examples"] == 3
+    # Answers kept of full's: full answers a1, a2 (b1 scores 0). m1 keeps 1 + 0.5 of 2 (a2
+    # below full); m2 keeps 0 + 0.5 (a1, a2 below), and its b1 win over full is luck, not kept.
+    assert m1["kept_of_full"] == {"examples": 3, "kept": 0.75, "below": 1, "above": 0}
+    assert m2["kept_of_full"] == {"examples": 3, "kept": 0.25, "below": 2, "above": 1}
+    assert entries[("m1", 0.25)]["kept_of_full"]["kept"] == 1.0
+    assert "kept_of_full" not in full
     md = summary_markdown(summary)
+    assert "| m1 | 1.000 (-0 / +0) | 0.750 (-1 / +0) |" in md
+    assert "| m2 | — | 0.250 (-2 / +1) |" in md
     assert "| m1 | 1.000 | 0.500 |" in md  # average total per ratio
     assert "| m2 | — | 0.750 |" in md  # win score table
     assert "| m1 | 0.5 | 0.500 ± 0.020 |" in md
@@ -77,6 +85,12 @@ def test_summary_win_score_uses_common_examples():
     assert win["num_examples"] == 2
     assert win["scores"] == pytest.approx({"m1": 1.0, "m2": 0.5})
     assert not summary["complete"] or summary["jobs_total"] == len(rows)
+
+
+def test_summary_without_full_has_no_kept_share():
+    summary = summarize([r for r in hand_rows() if r["method"] != "full"])
+    assert all("kept_of_full" not in e for e in summary["entries"])
+    assert "Answers kept" not in summary_markdown(summary)
 
 
 def test_summary_rejects_empty_and_incomplete_rows():

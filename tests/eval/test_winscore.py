@@ -12,6 +12,7 @@ from probkv.eval.winscore import (
     average_total_score,
     average_total_scores,
     example_ranks,
+    kept_of_full,
     score_table,
     task_averages,
     win_scores,
@@ -146,3 +147,30 @@ def test_win_score_properties(rows, tasks):
         for sc in examples.values():
             total = sum(example_ranks(sc).values())
             assert total == 3 if len(set(sc.values())) == 3 else total > 3
+
+
+def test_kept_of_full_by_hand():
+    """min(s, f) summed over the common ids, over full's total; luck (s > f) is not kept."""
+    full = {"a": 1.0, "b": 0.5, "c": 0.0, "d": 1.0}
+    scores = {"a": 0.25, "b": 1.0, "c": 1.0, "e": 1.0}  # "d" not run yet, "e" not in full
+    assert kept_of_full(scores, full) == {
+        "examples": 3,
+        "kept": pytest.approx((0.25 + 0.5 + 0.0) / 1.5),
+        "below": 1,
+        "above": 2,
+    }
+    assert kept_of_full({"c": 1.0}, full)["kept"] is None  # full answers nothing here
+    with pytest.raises(ValueError, match=r"score of example 'a' must be a finite number"):
+        kept_of_full({"a": math.nan}, full)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 1), st.floats(0, 1)), min_size=1, max_size=20))
+def test_kept_of_full_is_a_share_and_full_keeps_all(pairs):
+    scores = {str(i): s for i, (s, _) in enumerate(pairs)}
+    full = {str(i): f for i, (_, f) in enumerate(pairs)}
+    out = kept_of_full(scores, full)
+    if out["kept"] is not None:
+        assert 0.0 <= out["kept"] <= 1.0 + 1e-12
+        assert kept_of_full(full, full)["kept"] == pytest.approx(1.0)
+    assert out["below"] + out["above"] <= out["examples"] == len(pairs)

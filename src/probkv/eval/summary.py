@@ -19,7 +19,7 @@ from typing import Any
 
 from probkv.eval.config import FULL, RunConfig
 from probkv.eval.store import SUMMARY_JSON, SUMMARY_MD, check_row, write_atomic
-from probkv.eval.winscore import average_total_score, score_table, win_scores
+from probkv.eval.winscore import average_total_score, kept_of_full, score_table, win_scores
 
 _SUMMARY_KEYS = ("effective_ratio", "cache_bytes", "prefill_s", "decode_s")
 
@@ -54,7 +54,10 @@ def summarize(
     - ``entries``: one per (method, ratio) with rows (``full`` at ratio 0): ``num_examples``,
       ``task_scores`` (mean score per task), ``average_total`` (S7: split means weighted by
       each split's share of the examples), ``effective_ratio_mean``/``_std`` (over examples,
-      n - 1 denominator), ``cache_bytes_mean``, ``prefill_s_mean``, ``decode_s_mean``;
+      n - 1 denominator), ``cache_bytes_mean``, ``prefill_s_mean``, ``decode_s_mean``, and,
+      for eviction methods of a run with ``full`` rows, ``kept_of_full``
+      (``winscore.kept_of_full``: the share of the full cache's answers kept, and the examples
+      scored below / above it);
     - ``win_scores``: per ratio, the win score (S7) of each eviction method on the examples
       every eviction method finished at that ratio (``full`` excluded; needs 2 methods);
     - ``layers``: per (method, ratio) the mean and std over examples of each evicting layer's
@@ -86,6 +89,7 @@ def summarize(
     tasks: dict[str, set[str]] = {}
     for r in rows:
         tasks.setdefault(r["task"], set()).add(r["id"])
+    full_scores = {r["id"]: r["score"] for r in groups.get((FULL, 0.0), ())}
     entries = []
     for method in methods:
         for ratio in sorted({k[1] for k in groups if k[0] == method}):
@@ -106,6 +110,9 @@ def summarize(
                     "decode_s_mean": _mean([r["decode_s"] for r in group]),
                 }
             )
+            if full_scores and method != FULL:
+                scores = {r["id"]: r["score"] for r in group}
+                entries[-1]["kept_of_full"] = kept_of_full(scores, full_scores)
     win = []
     for ratio in sorted({k[1] for k in groups if k[0] != FULL}):
         ranked = [m for m in methods if m != FULL and (m, ratio) in groups]
@@ -182,9 +189,14 @@ def _entry(summary: Mapping[str, Any], method: str, ratio: float) -> Mapping[str
     return None
 
 
+def _entries(summary: Mapping[str, Any], method: str) -> list[Mapping[str, Any]]:
+    return [e for e in summary["entries"] if e["method"] == method]
+
+
 def summary_markdown(summary: Mapping[str, Any]) -> str:
-    """The summary as Markdown tables: average total score, win score, score per task for
-    each ratio, target vs effective compression ratio (Appendix F.2) and timings."""
+    """The summary as Markdown tables: average total score, win score, answers kept of the
+    full cache's (runs with ``full``), score per task for each ratio, target vs effective
+    compression ratio (Appendix F.2) and timings."""
     ratios = summary["ratios"]
     methods = summary["methods"]
     tasks = summary["tasks"]
@@ -231,6 +243,26 @@ def summary_markdown(summary: Mapping[str, Any]) -> str:
                 *(str(by_ratio[r]["num_examples"]) if r in by_ratio else "—" for r in ratios),
             ]
         )
+        lines += _table(["method", *(f"r = {r:g}" for r in ratios)], body)
+    kept = [m for m in methods if any("kept_of_full" in e for e in _entries(summary, m))]
+    if kept:
+        lines += ["", "## Answers kept of the full cache's", ""]
+        lines += [
+            "Sum over examples of min(score, full's score) / sum of full's scores; in brackets "
+            "the examples scored below / above `full` (above: the evicted prompt got right what "
+            "the whole one got wrong; not counted as kept).",
+            "",
+        ]
+        body = []
+        for m in kept:
+            cells = []
+            for r in ratios:
+                e = _entry(summary, m, r)
+                k = None if e is None else e.get("kept_of_full")
+                cells.append(
+                    "—" if k is None else f"{_fmt(k['kept'])} (-{k['below']} / +{k['above']})"
+                )
+            body.append([m, *cells])
         lines += _table(["method", *(f"r = {r:g}" for r in ratios)], body)
     for r in ratios:
         lines += ["", f"## Score per task, r = {r:g}", ""]

@@ -21,6 +21,12 @@ identical floats).
 
 **Average total score.** Split (task) averages weighted by each split's share of the
 examples, ``sum_s (N_s / N) * mean_s`` (which equals the mean over all examples).
+
+**Answers kept of the full cache's** (not in the paper). ``sum_i min(s_i, f_i) / sum_i f_i``
+over the examples both have, ``f`` the full cache's score: the share of what the model
+answers with its whole cache that it still answers after eviction. An example that eviction
+gets right and the full cache gets wrong (luck: the evicted prompt reads differently) adds
+nothing, where it lifts the average score and the win score; such examples are counted apart.
 """
 
 from __future__ import annotations
@@ -163,3 +169,22 @@ def score_table(
             )
         scores[method] = _check_score(value, f"row {i}")
     return table
+
+
+def kept_of_full(scores: Mapping[str, float], full: Mapping[str, float]) -> dict[str, Any]:
+    """What one method keeps of the full cache's answers (module note), from per-example
+    scores keyed by example id; only the ids both have count.
+
+    Returns ``examples`` (ids in common), ``kept`` (``sum min(s, f) / sum f``, ``None`` when
+    the full cache scores 0 on all of them), ``below`` / ``above`` (examples scored below /
+    above the full cache)."""
+    common = [i for i in scores if i in full]
+    s = {i: _check_score(scores[i], f"example {i!r}") for i in common}
+    f = {i: _check_score(full[i], f"example {i!r} (full cache)") for i in common}
+    total = sum(f.values())
+    return {
+        "examples": len(common),
+        "kept": sum(min(s[i], f[i]) for i in common) / total if total > 0 else None,
+        "below": sum(s[i] < f[i] for i in common),
+        "above": sum(s[i] > f[i] for i in common),
+    }
