@@ -55,9 +55,14 @@ def test_demo_table():
         )
     table = demo.demo_table(summarize(rows))
     lines = table.splitlines()
-    assert lines[0].startswith("| method | niah_single_1 | average | effective r | cache |")
-    assert lines[2] == "| full (no eviction) | 1.00 | 1.000 | 0.000 ± 0.000 | 1.0 MiB | 2.0 | 1.0 |"
-    assert lines[4] == "| prob:min-h | 0.50 | 0.500 | 0.490 ± 0.000 | 522.2 KiB | 2.0 | 1.0 |"
+    assert lines[0].startswith(
+        "| method | niah_single_1 | average | kept of full | effective r | cache |"
+    )
+    assert lines[2] == (
+        "| full (no eviction) | 1.00 | 1.000 | — | 0.000 ± 0.000 | 1.0 MiB | 2.0 | 1.0 |"
+    )
+    assert lines[3].startswith("| snapkv | 0.00 | 0.000 | 0% |")
+    assert lines[4] == "| prob:min-h | 0.50 | 0.500 | 50% | 0.490 ± 0.000 | 522.2 KiB | 2.0 | 1.0 |"
 
 
 def test_run_demo_on_a_tiny_model(tmp_path, capsys):

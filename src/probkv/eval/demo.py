@@ -74,14 +74,22 @@ def demo_config(
     )
 
 
+def _kept_cell(kept: dict[str, Any] | None) -> str:
+    if kept is None or kept["kept"] is None:
+        return "—"
+    return f"{kept['kept']:.0%}"
+
+
 def demo_table(summary: dict[str, Any]) -> str:
-    """One Markdown table: per method, the score per task and in total, the effective ratio
-    (mean +- std over examples), cache size and times, at the demo's ratio."""
+    """One Markdown table: per method, the score per task and in total, the share of the full
+    cache's answers kept (``winscore.kept_of_full``), the effective ratio (mean +- std over
+    examples), cache size and times, at the demo's ratio."""
     tasks = list(summary["tasks"])
     header = [
         "method",
         *tasks,
         "average",
+        "kept of full",
         "effective r",
         "cache",
         "prefill+evict s",
@@ -94,6 +102,7 @@ def demo_table(summary: dict[str, Any]) -> str:
             name,
             *(f"{e['task_scores'][t]:.2f}" if t in e["task_scores"] else "—" for t in tasks),
             f"{e['average_total']:.3f}",
+            _kept_cell(e.get("kept_of_full")),
             f"{e['effective_ratio_mean']:.3f} ± {e['effective_ratio_std']:.3f}",
             format_bytes(e["cache_bytes_mean"]),
             f"{e['prefill_s_mean']:.1f}",
