@@ -269,10 +269,10 @@ def spans(p: torch.Tensor, block: int, gap: int = 0) -> tuple[torch.Tensor, torc
     high = eligible & (p >= mean)
     rank = eligible.to(torch.int64).cumsum(-1) - 1
     if gap > 0:  # bridge: the high entries before and after are at most gap + 1 ranks apart
-        before = torch.where(high, rank, -1).cummax(-1).values
-        none = t + gap + 2
-        after = torch.where(high, rank, none).flip(-1).cummin(-1).values.flip(-1)
-        high = high | (eligible & (before >= 0) & (after < none) & (after - before <= gap + 1))
+        far = t + gap + 2  # no high entry on that side: never within gap + 1
+        before = torch.where(high, rank, -far).cummax(-1).values
+        after = torch.where(high, rank, far).flip(-1).cummin(-1).values.flip(-1)
+        high = high | (eligible & (after - before <= gap + 1))
     position = torch.arange(t, device=p.device).expand(rows, t)
     # the previous eligible entry of each entry (-1: none), and whether it is high
     last = torch.where(eligible, position, -1).cummax(-1).values
@@ -288,11 +288,17 @@ def spans(p: torch.Tensor, block: int, gap: int = 0) -> tuple[torch.Tensor, torc
     return units, sizes
 
 
-def check_gap(gap: int, name: str = "gap") -> int:
-    """Low entries bridged inside a span (``spans``): an integer ``>= 0``."""
+def check_gap(gap: int, units: str = "spans", name: str = "gap") -> int:
+    """Low entries bridged inside a span (``spans``): an integer ``>= 0``, and 0 unless
+    ``units`` is ``"spans"``."""
     if isinstance(gap, bool) or not isinstance(gap, numbers.Integral) or gap < 0:
         raise ValueError(
             f"{name} must be an integer >= 0 (low entries bridged inside a span), got {gap!r}"
+        )
+    if gap > 0 and units != "spans":
+        raise ValueError(
+            f"{name}={gap!r} bridges low entries inside spans: it needs units='spans', "
+            f"got units={units!r}"
         )
     return int(gap)
 
@@ -340,8 +346,7 @@ def _units(
     p: torch.Tensor, block: int, kind: str = "blocks", gap: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(units, sizes, masses)`` of the blocks (or spans) of the entries with ``p > 0``."""
-    if check_units(kind) == "blocks" and check_gap(gap) > 0:
-        raise ValueError(f"gap={gap!r} bridges low entries inside spans: it needs units='spans'")
+    check_gap(gap, check_units(kind))
     units, sizes = blocks(p > 0, block) if kind == "blocks" else spans(p, block, gap)
     masses = torch.zeros(sizes.shape, dtype=torch.float64, device=p.device)
     masses.scatter_add_(-1, units.clamp(min=0), torch.where(units >= 0, p, 0.0))

@@ -210,9 +210,7 @@ class ScoreSpec:
         if not self.prob_tau > 0.0:
             raise ValueError(f"{self.function.__name__}: prob_tau must be > 0")
         check_choice(self.prob_units, UNITS, "prob_units")
-        check_gap(self.prob_gap, "prob_gap")
-        if self.prob_gap > 0 and self.prob_units != "spans":
-            raise ValueError(f"{self.function.__name__}: prob_gap > 0 needs prob_units='spans'")
+        check_gap(self.prob_gap, self.prob_units, "prob_gap")
         if isinstance(self.last_rows, str):
             check_choice(self.last_rows, self.params, "last_rows")
         else:

@@ -189,10 +189,6 @@ def _entry(summary: Mapping[str, Any], method: str, ratio: float) -> Mapping[str
     return None
 
 
-def _entries(summary: Mapping[str, Any], method: str) -> list[Mapping[str, Any]]:
-    return [e for e in summary["entries"] if e["method"] == method]
-
-
 def summary_markdown(summary: Mapping[str, Any]) -> str:
     """The summary as Markdown tables: average total score, win score, answers kept of the
     full cache's (runs with ``full``), score per task for each ratio, target vs effective
@@ -244,8 +240,8 @@ def summary_markdown(summary: Mapping[str, Any]) -> str:
             ]
         )
         lines += _table(["method", *(f"r = {r:g}" for r in ratios)], body)
-    kept = [m for m in methods if any("kept_of_full" in e for e in _entries(summary, m))]
-    if kept:
+    if any("kept_of_full" in e for e in summary["entries"]):  # runs with `full`
+        kept = [m for m in methods if m != FULL]
         lines += ["", "## Answers kept of the full cache's", ""]
         lines += [
             "Sum over examples of min(score, full's score) / sum of full's scores; in brackets "

@@ -175,12 +175,7 @@ class ProbabilisticPolicy(EvictionPolicy):
         designs.check_block(self.block)
         check_choice(self.order, designs.ORDERS, "order")
         designs.check_units(self.units)
-        object.__setattr__(self, "gap", designs.check_gap(self.gap))
-        if self.gap > 0 and self.units != "spans":
-            raise ValueError(
-                f"gap={self.gap!r} bridges low entries inside spans: it needs units='spans', "
-                f"got units={self.units!r}"
-            )
+        object.__setattr__(self, "gap", designs.check_gap(self.gap, self.units))
         proposals.check_pool_kernel(self.pool)
         if self.sampler != "pps" and self._span_design:
             raise ValueError(
