@@ -129,6 +129,7 @@ def assert_png(path, min_width=600):
         plots.plot_scores,
         plots.plot_scores_by_task,
         plots.plot_win_scores,
+        plots.plot_kept_of_full,
         plots.plot_layer_ratios,
         plots.plot_compression_table,
     ],
@@ -145,6 +146,7 @@ def test_run_figures_are_pngs(summary, tmp_path, maker):
         plots.plot_scores,
         plots.plot_scores_by_task,
         plots.plot_win_scores,
+        plots.plot_kept_of_full,
         plots.plot_layer_ratios,
         plots.plot_compression_table,
     ],
@@ -167,10 +169,23 @@ def test_figures_that_do_not_apply_say_why(summary, tmp_path):
     figures = plots.plot_summary(only_full_and_one, tmp_path / "all")
     assert sorted(p.name for p in figures.paths) == [
         "compression_ratio_table.png",
+        "kept_of_full_vs_ratio.png",
         "score_vs_ratio.png",
         "score_vs_ratio_by_task.png",
     ]
     assert len(figures.skipped) == 2
+
+
+def test_answers_kept_needs_full_rows(tmp_path):
+    without_full = summarize([r for r in rows() if r["method"] != "full"])
+    with pytest.raises(ValueError, match=r"no answers-kept shares.*run `full`"):
+        plots.plot_kept_of_full(without_full, tmp_path / "k.png")
+    assert "kept_of_full_vs_ratio.png" in "".join(
+        plots.plot_summary(without_full, tmp_path / "all").skipped
+    )
+    # One ratio: bars, one per method.
+    one_ratio = summarize([r for r in rows() if r["ratio"] in (0.0, 0.5)])
+    assert_png(plots.plot_kept_of_full(one_ratio, tmp_path / "one.png"))
 
 
 def test_varies_by_layer():
@@ -189,7 +204,7 @@ def test_plot_run_reads_a_results_folder(tmp_path):
     methods = list(dict.fromkeys(r["method"] for r in rows()))
     (folder / CONFIG_FILE).write_text(json.dumps({"methods": methods}))
     figures = plots.plot_run(folder)
-    assert len(figures.paths) == 5 and not figures.skipped
+    assert len(figures.paths) == 6 and not figures.skipped
     for p in figures.paths:
         assert p.parent == folder
         assert_png(p)

@@ -273,6 +273,46 @@ def plot_win_scores(summary: Mapping[str, Any], path: str | os.PathLike[str]) ->
     return _save(fig, path)
 
 
+def plot_kept_of_full(summary: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
+    """Share of the full cache's answers kept (``winscore.kept_of_full``: per example the
+    smaller of the method's and ``full``'s score, summed, over ``full``'s total) vs ratio, one
+    line per eviction method, 100% dashed; one bar per method with a single ratio. Luck (an
+    evicted cache answering what the full one misses) does not count, unlike the average."""
+    entries = _check_summary(summary)
+    kept = [e for e in entries if (e.get("kept_of_full") or {}).get("kept") is not None]
+    if not kept:
+        raise ValueError(
+            "the summary has no answers-kept shares: they need `full` rows with a nonzero "
+            "total score on the same examples (run `full` with the other methods)"
+        )
+    colors = _method_colors(summary)
+    fig = _figure(7.5, 4.6)
+    ax = fig.add_subplot()
+    ylabel = "share of the full cache's answers kept"
+    single = _single_ratio(kept)
+    if single is not None:
+        by_method = {e["method"]: e["kept_of_full"]["kept"] for e in kept}
+        series = [(m, c, [by_method.get(m)]) for m, c in colors.items()]
+        _bars(ax, [f"r = {single:g}"], series)
+        _style_axes(ax, "target compression ratio (fraction evicted)", ylabel)
+        ax.set_title(run_title(summary, "Answers kept"), fontsize=_FONT["title"])
+        _legend(ax, 99)  # outside: bars fill the axes
+        return _save(fig, path)
+    ax.axhline(1.0, label="full (no eviction)", **_REFERENCE_STYLE)
+    count = 1
+    for method, color in colors.items():
+        pts = sorted((e["ratio"], e["kept_of_full"]["kept"]) for e in kept if e["method"] == method)
+        if pts:
+            ax.plot(*zip(*pts), marker="o", color=color, label=method, linewidth=1.8)
+            count += 1
+    _ratio_axis(ax, sorted({e["ratio"] for e in kept}))
+    ax.set_ylim(-0.03, 1.03)
+    _style_axes(ax, "target compression ratio r (fraction evicted)", ylabel)
+    ax.set_title(run_title(summary, "Answers kept vs compression"), fontsize=_FONT["title"])
+    _legend(ax, count)
+    return _save(fig, path)
+
+
 def varies_by_layer(method: str) -> bool:
     """Whether ``method`` gives layers different budgets: the global scope (S3) or PyramidKV
     layer budgets (S5). Names that no longer parse count as False."""
@@ -543,6 +583,7 @@ def plot_summary(summary: Mapping[str, Any], out_dir: str | os.PathLike[str]) ->
         ("score_vs_ratio.png", plot_scores),
         ("score_vs_ratio_by_task.png", plot_scores_by_task),
         ("win_score_vs_ratio.png", plot_win_scores),
+        ("kept_of_full_vs_ratio.png", plot_kept_of_full),
         ("layer_effective_ratio.png", plot_layer_ratios),
         ("compression_ratio_table.png", plot_compression_table),
     ]
