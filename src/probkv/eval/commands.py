@@ -102,8 +102,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         help="figures of an eval folder or of an attention-error JSON file",
         description=(
             "PATH is a probkv eval --out folder (score, win score and answers kept of the "
-            "full cache's vs ratio, per-layer effective compression, target vs effective ratio table) or a probkv "
-            "attention-error JSON file (error vs ratio per estimator and tau) or a probkv "
+            "full cache's vs ratio, per-layer effective compression, target vs effective "
+            "ratio table) or a probkv attention-error JSON file (error vs ratio per estimator and tau) or a probkv "
             "long-decode JSON file (NLL gap vs budget per method). PNG files."
         ),
     )
