@@ -155,38 +155,61 @@ def _single_ratio(entries: Sequence[Mapping[str, Any]]) -> float | None:
     return next(iter(ratios)) if len(ratios) == 1 else None
 
 
+def _ratio_bars(summary, path, group: str, series, ylabel: str, what: str) -> Path:
+    """One group of bars (a run with a single ratio), ``series`` as :func:`_bars` takes it."""
+    fig = _figure(7.5, 4.6)
+    ax = fig.add_subplot()
+    _bars(ax, [group], series)
+    _style_axes(ax, "target compression ratio (fraction evicted)", ylabel)
+    ax.set_title(run_title(summary, what), fontsize=_FONT["title"])
+    _legend(ax, 99)  # outside: bars fill the axes
+    return _save(fig, path)
+
+
+def _ratio_lines(
+    summary, path, points, ratios, ylabel: str, what: str, reference: float | None = None
+) -> Path:
+    """One line per eviction method through ``points(method)`` (``(ratio, value)`` pairs),
+    ``reference`` dashed as ``full``."""
+    fig = _figure(7.5, 4.6)
+    ax = fig.add_subplot()
+    count = 0
+    if reference is not None:
+        ax.axhline(reference, label="full (no eviction)", **_REFERENCE_STYLE)
+        count += 1
+    for method, color in _method_colors(summary).items():
+        pts = sorted(points(method))
+        if pts:
+            ax.plot(*zip(*pts), marker="o", color=color, label=method, linewidth=1.8)
+            count += 1
+    _ratio_axis(ax, ratios)
+    ax.set_ylim(-0.03, 1.03)
+    _style_axes(ax, "target compression ratio r (fraction evicted)", ylabel)
+    ax.set_title(run_title(summary, f"{what} vs compression"), fontsize=_FONT["title"])
+    _legend(ax, count)
+    return _save(fig, path)
+
+
 def plot_scores(summary: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
     """Average total score (S7) vs target compression ratio, one line per method; ``full`` is
     a dashed horizontal reference. With a single ratio: one bar per method. Returns the path."""
     entries = _check_summary(summary)
-    colors = _method_colors(summary)
-    fig = _figure(7.5, 4.6)
-    ax = fig.add_subplot()
+    ylabel = "average total score"
     single = _single_ratio(entries)
     if single is not None:
         by_method = {e["method"]: e["average_total"] for e in entries}
         series = _series(summary, lambda m: [by_method.get(m)])
-        _bars(ax, [f"r = {single:g}"], series)
-        _style_axes(ax, "target compression ratio (fraction evicted)", "average total score")
-        ax.set_title(run_title(summary, "Task score"), fontsize=_FONT["title"])
-        _legend(ax, 99)  # outside: bars fill the axes
-        return _save(fig, path)
-    count = 0
+        return _ratio_bars(summary, path, f"r = {single:g}", series, ylabel, "Task score")
     full = _full_entry(entries)
-    if full is not None:
-        ax.axhline(full["average_total"], label="full (no eviction)", **_REFERENCE_STYLE)
-        count += 1
-    for method, color in colors.items():
-        pts = sorted((e["ratio"], e["average_total"]) for e in entries if e["method"] == method)
-        if pts:
-            ax.plot(*zip(*pts), marker="o", color=color, label=method, linewidth=1.8)
-            count += 1
-    _ratio_axis(ax, sorted({e["ratio"] for e in entries if e["method"] != FULL}) or [0.0])
-    ax.set_ylim(-0.03, 1.03)
-    _style_axes(ax, "target compression ratio r (fraction evicted)", "average total score")
-    ax.set_title(run_title(summary, "Task score vs compression"), fontsize=_FONT["title"])
-    _legend(ax, count)
-    return _save(fig, path)
+    return _ratio_lines(
+        summary,
+        path,
+        lambda m: [(e["ratio"], e["average_total"]) for e in entries if e["method"] == m],
+        sorted({e["ratio"] for e in entries if e["method"] != FULL}) or [0.0],
+        ylabel,
+        "Task score",
+        reference=None if full is None else full["average_total"],
+    )
 
 
 def plot_scores_by_task(summary: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
@@ -247,30 +270,20 @@ def plot_win_scores(summary: Mapping[str, Any], path: str | os.PathLike[str]) ->
             "the summary has no win scores: they need at least 2 eviction methods (besides "
             "full) that finished the same examples at a ratio"
         )
-    colors = _method_colors(summary)
-    fig = _figure(7.5, 4.6)
-    ax = fig.add_subplot()
     ylabel = "win score (0 worst, 1 best)"
     if len(win) == 1:
         (only,) = win
-        series = [(m, c, [only["scores"].get(m)]) for m, c in colors.items()]
-        _bars(ax, [f"r = {only['ratio']:g} ({only['num_examples']} examples)"], series)
-        _style_axes(ax, "target compression ratio (fraction evicted)", ylabel)
-        ax.set_title(run_title(summary, "Win score"), fontsize=_FONT["title"])
-        _legend(ax, 99)  # outside: bars fill the axes
-        return _save(fig, path)
-    count = 0
-    for method, color in colors.items():
-        pts = sorted((w["ratio"], w["scores"][method]) for w in win if method in w["scores"])
-        if pts:
-            ax.plot(*zip(*pts), marker="o", color=color, label=method, linewidth=1.8)
-            count += 1
-    _ratio_axis(ax, [w["ratio"] for w in win])
-    ax.set_ylim(-0.03, 1.03)
-    _style_axes(ax, "target compression ratio r (fraction evicted)", ylabel)
-    ax.set_title(run_title(summary, "Win score vs compression"), fontsize=_FONT["title"])
-    _legend(ax, count)
-    return _save(fig, path)
+        series = [(m, c, [only["scores"].get(m)]) for m, c in _method_colors(summary).items()]
+        group = f"r = {only['ratio']:g} ({only['num_examples']} examples)"
+        return _ratio_bars(summary, path, group, series, ylabel, "Win score")
+    return _ratio_lines(
+        summary,
+        path,
+        lambda m: [(w["ratio"], w["scores"][m]) for w in win if m in w["scores"]],
+        [w["ratio"] for w in win],
+        ylabel,
+        "Win score",
+    )
 
 
 def plot_kept_of_full(summary: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
@@ -279,38 +292,30 @@ def plot_kept_of_full(summary: Mapping[str, Any], path: str | os.PathLike[str]) 
     line per eviction method, 100% dashed; one bar per method with a single ratio. Luck (an
     evicted cache answering what the full one misses) does not count, unlike the average."""
     entries = _check_summary(summary)
-    kept = [e for e in entries if (e.get("kept_of_full") or {}).get("kept") is not None]
+    kept = {
+        (e["method"], e["ratio"]): e["kept_of_full"]["kept"]
+        for e in entries
+        if (e.get("kept_of_full") or {}).get("kept") is not None
+    }
     if not kept:
         raise ValueError(
             "the summary has no answers-kept shares: they need `full` rows with a nonzero "
             "total score on the same examples (run `full` with the other methods)"
         )
-    colors = _method_colors(summary)
-    fig = _figure(7.5, 4.6)
-    ax = fig.add_subplot()
     ylabel = "share of the full cache's answers kept"
-    single = _single_ratio(kept)
-    if single is not None:
-        by_method = {e["method"]: e["kept_of_full"]["kept"] for e in kept}
-        series = [(m, c, [by_method.get(m)]) for m, c in colors.items()]
-        _bars(ax, [f"r = {single:g}"], series)
-        _style_axes(ax, "target compression ratio (fraction evicted)", ylabel)
-        ax.set_title(run_title(summary, "Answers kept"), fontsize=_FONT["title"])
-        _legend(ax, 99)  # outside: bars fill the axes
-        return _save(fig, path)
-    ax.axhline(1.0, label="full (no eviction)", **_REFERENCE_STYLE)
-    count = 1
-    for method, color in colors.items():
-        pts = sorted((e["ratio"], e["kept_of_full"]["kept"]) for e in kept if e["method"] == method)
-        if pts:
-            ax.plot(*zip(*pts), marker="o", color=color, label=method, linewidth=1.8)
-            count += 1
-    _ratio_axis(ax, sorted({e["ratio"] for e in kept}))
-    ax.set_ylim(-0.03, 1.03)
-    _style_axes(ax, "target compression ratio r (fraction evicted)", ylabel)
-    ax.set_title(run_title(summary, "Answers kept vs compression"), fontsize=_FONT["title"])
-    _legend(ax, count)
-    return _save(fig, path)
+    ratios = sorted({r for _, r in kept})
+    if len(ratios) == 1:
+        series = [(m, c, [kept.get((m, ratios[0]))]) for m, c in _method_colors(summary).items()]
+        return _ratio_bars(summary, path, f"r = {ratios[0]:g}", series, ylabel, "Answers kept")
+    return _ratio_lines(
+        summary,
+        path,
+        lambda m: [(r, v) for (method, r), v in kept.items() if method == m],
+        ratios,
+        ylabel,
+        "Answers kept",
+        reference=1.0,
+    )
 
 
 def varies_by_layer(method: str) -> bool:
