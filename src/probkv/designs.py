@@ -15,7 +15,11 @@ budget and the Horvitz-Thompson weights ``1 / P`` (so S4's correction stays unbi
   above-average entries (a number's digits) is one unit of at most ``block`` entries;
 - the visiting order of systematic sampling (S10.4): ``visit_order`` (position, or a seeded
   random permutation), ``systematic_sample_ordered`` (pure: the offset is an argument) and
-  ``sample_design``, which draws a design's kept entries.
+  ``sample_design``, which draws a design's kept entries;
+- coordinated Poisson sampling (S10.4): ``permanent_numbers`` draws one uniform number per
+  position, shared by every head of every layer, and ``sample_design_coordinated`` keeps a
+  unit when the number at its first entry is below ``P_k``: the same marginals ``P_k`` and
+  weights, a random kept count, and heads that keep the same positions together.
 
 Conventions (as ``probkv.sampling``): rows ``[R, t]``, one per KV head; float64 arithmetic;
 entries with ``pi = 0`` are outside the design (always-kept or core entries, kept by the caller
@@ -36,6 +40,9 @@ from probkv import sampling
 from probkv._checks import check_choice, check_ratio
 
 ORDERS = ("position", "random")
+# Stream of the permanent random numbers: seeded by the policy's seed only (never the layer),
+# so every layer of one eviction, and every later eviction with that seed, shares them.
+PRN_STREAM = 99_991
 """Visiting orders of systematic sampling (S10.4)."""
 
 UNITS = ("blocks", "spans")
@@ -537,4 +544,62 @@ def sample_design(design: UnitDesign, order: str, generator: torch.Generator) ->
         (rows, 1), generator=generator, dtype=torch.float64, device=design.inclusion.device
     )
     kept_units = systematic_sample_ordered(design.inclusion, visit, offset[:, 0])
+    return kept_units.gather(-1, design.units.clamp(min=0)) & (design.units >= 0)
+
+
+# ----------------------------------------------------- coordinated Poisson sampling (S10.4)
+
+
+def permanent_numbers(
+    t: int, seed: int, *, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """float64 ``[t]``: one uniform number in ``[0, 1)`` per position (S10.4's permanent random
+    numbers), from a generator seeded with ``seed`` alone. Positions, not heads or layers, own
+    the numbers, so every head that draws with them (``sample_design_coordinated``) sees the
+    same number at the same position."""
+    if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 1:
+        raise ValueError(f"t must be a positive integer (positions), got {t!r}")
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
+    generator = torch.Generator(device=device or "cpu")
+    generator.manual_seed(int(seed) * 100_003 + PRN_STREAM)
+    return torch.rand(int(t), generator=generator, dtype=torch.float64, device=device)
+
+
+def first_entries(design: UnitDesign) -> torch.Tensor:
+    """int64 ``[R, K]``: the position of each unit's first entry (``t`` for padding units)."""
+    rows, t = design.units.shape
+    pos = torch.arange(t, device=design.units.device).expand(rows, t)
+    first = torch.full(design.inclusion.shape, t, dtype=torch.int64, device=pos.device)
+    inside = design.units >= 0
+    return first.scatter_reduce(
+        -1, design.units.clamp(min=0), torch.where(inside, pos, t), "amin", include_self=True
+    )
+
+
+def sample_design_coordinated(design: UnitDesign, numbers_: torch.Tensor) -> torch.Tensor:
+    """The kept entries of a design by coordinated Poisson sampling (S10.4): bool ``[R, t]``.
+
+    Unit ``k`` is kept iff ``u[f_k] < P_k``, ``u = numbers_`` (``permanent_numbers``) and
+    ``f_k`` its first position. The units are a function of the proposal alone and ``u`` is
+    uniform and independent of it, so entry ``i`` is kept with probability exactly ``P_i``
+    (its unit's) and ``1 / P_i`` weights stay unbiased. Units of one row start at different
+    positions, so within a head the draws are independent (Poisson sampling: the kept count
+    is random, ``sum_k |B_k| P_k`` in expectation); heads whose units start at the same
+    position share the number, so their draws are positively coupled: heads with the same
+    ``P`` keep the same units, and a head keeps a unit whenever a head with smaller ``P``
+    there does.
+    """
+    t = design.units.shape[-1]
+    u = torch.as_tensor(numbers_)
+    if u.ndim != 1 or u.shape[0] < t or not torch.is_floating_point(u):
+        raise ValueError(
+            f"numbers_ must be a float tensor [>= {t}] (permanent_numbers), got shape "
+            f"{tuple(u.shape)} and dtype {u.dtype}"
+        )
+    if not ((u >= 0) & (u < 1)).all():
+        raise ValueError("numbers_ must lie in [0, 1)")
+    u = u[:t].to(device=design.inclusion.device, dtype=torch.float64)
+    u = torch.cat([u, u.new_ones(1)])  # padding units (first position t) are never kept
+    kept_units = u[first_entries(design)] < design.inclusion
     return kept_units.gather(-1, design.units.clamp(min=0)) & (design.units >= 0)

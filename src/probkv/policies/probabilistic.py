@@ -97,7 +97,11 @@ class ProbabilisticPolicy(EvictionPolicy):
       entry a unit of its own: a needle's tokens are kept or dropped together, the kept count
       is random around the budget; ``designs.spans``); ``gap`` (spans only) = the longest run
       of below-average entries bridged inside a span (a UUID's ``-``; default the score's
-      ``prob_gap``, 0).
+      ``prob_gap``, 0); ``coordinate`` = ``True`` replaces systematic sampling by coordinated
+      Poisson sampling (``order`` is then unused): one permanent random number per position,
+      shared by every head of every layer, keeps a unit when the number at its first entry is
+      below ``P`` (``designs.sample_design_coordinated``; same ``P`` and weights, random kept
+      count, heads keep the same positions together).
       Scope "global": the core is the ``floor(f S)`` entries of largest proposal over all heads
       of all layers (``S`` the global sampled budget), then one pps scale for the rest.
 
@@ -131,6 +135,7 @@ class ProbabilisticPolicy(EvictionPolicy):
     units: str | None = None  # None: the score's prob_units for sampler="pps", else "blocks"
     gap: int | None = None  # None: the score's prob_gap for sampler="pps", 0 otherwise
     pool: int = 1
+    coordinate: bool = False
 
     # Fields whose defaults depend on these (core, block, order, units, tau, uniform_mix on the
     # sampler): method names compare them with the defaults of a policy with the same sampler.
@@ -177,6 +182,13 @@ class ProbabilisticPolicy(EvictionPolicy):
         designs.check_units(self.units)
         object.__setattr__(self, "gap", designs.check_gap(self.gap, self.units))
         proposals.check_pool_kernel(self.pool)
+        if not isinstance(self.coordinate, bool):
+            raise ValueError(f"coordinate must be True or False, got {self.coordinate!r}")
+        if self.coordinate and self.sampler != "pps":
+            raise ValueError(
+                f"coordinate=True is a design of sampler='pps' (S10.4), got "
+                f"sampler={self.sampler!r}"
+            )
         if self.sampler != "pps" and self._span_design:
             raise ValueError(
                 f"core={self.core!r}, block={self.block!r}, order={self.order!r}, "
@@ -187,7 +199,13 @@ class ProbabilisticPolicy(EvictionPolicy):
 
     @property
     def _span_design(self) -> bool:
-        return self.core > 0 or self.block > 1 or self.order != "position" or self.units != "blocks"
+        return (
+            self.core > 0
+            or self.block > 1
+            or self.order != "position"
+            or self.units != "blocks"
+            or self.coordinate
+        )
 
     @property
     def layerwise(self) -> bool:
@@ -363,9 +381,17 @@ class ProbabilisticPolicy(EvictionPolicy):
                         pi, rest, self.block, outside=core, units=self.units, gap=self.gap
                     )
                 )
+        numbers = None
+        if self.coordinate:  # S10.4: one number per position for every head of every layer
+            t = max(pi.shape[-1] for pi in pis)
+            numbers = designs.permanent_numbers(t, self.seed, device=pis[0].device)
         out = []
         for pi, core, design in zip(pis, cores, units):
-            kept = designs.sample_design(design, self.order, generator) | core
+            if numbers is None:
+                drawn = designs.sample_design(design, self.order, generator)
+            else:
+                drawn = designs.sample_design_coordinated(design, numbers)
+            kept = drawn | core
             logw = None
             if self.corrected:
                 inclusion = torch.where(core, 1.0, design.entry_inclusion)
