@@ -30,7 +30,9 @@ from probkv.designs import (
     capped_scale,
     core_size,
     global_budget,
+    permanent_numbers,
     sample_design,
+    sample_design_coordinated,
     spans,
     systematic_sample_ordered,
     top_entries,
@@ -604,6 +606,121 @@ def test_top_entries_matches_reference(data, t, ties, seed):
     assert set(torch.cat([m.flatten() for m in everything]).nonzero().flatten().tolist()) == flat
 
 
+# ----------------------------------------------------- coordinated Poisson sampling (S10.4)
+
+
+def reference_coordinated(units: list[int], P: list[float], u: list[float]) -> list[bool]:
+    """S10.4 literally: walk the entries; a unit's first entry (the first time its number is
+    seen) decides it by ``u[first] < P_k``; every entry follows its unit."""
+    decided: dict[int, bool] = {}
+    kept = []
+    for i, k in enumerate(units):
+        if k < 0:
+            kept.append(False)
+            continue
+        if k not in decided:
+            decided[k] = u[i] < P[k]
+        kept.append(decided[k])
+    return kept
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    t=st.integers(1, 40),
+    block=st.integers(1, 6),
+    kind=st.sampled_from(["blocks", "spans"]),
+    kept_fraction=st.floats(0.05, 0.95),
+    seed=st.integers(0, 10**6),
+)
+def test_coordinated_sampling_matches_the_reference(t, block, kind, kept_fraction, seed):
+    """Implementation against the literal walk, on random designs (a core outside) and numbers,
+    including numbers placed exactly at and just around each unit's P."""
+    g = gen(seed)
+    pi = proposal(2, t, seed)
+    core = torch.rand(2, t, generator=g) < 0.2
+    design = block_design(pi, kept_fraction * t / 2, block, outside=core, units=kind)
+    u = torch.rand(t, generator=g, dtype=F64)
+    firsts = designs.first_entries(design)
+    for r in range(2):
+        for k, f in enumerate(firsts[r].tolist()):
+            if f < t and k % 2 == 0:  # half the units get a number on their boundary
+                u[f] = float(design.inclusion[r, k]) * (1 - 1e-12 * (k % 4 == 0))
+    u = u.clamp(max=1 - 2**-53)
+    kept = sample_design_coordinated(design, u)
+    for r in range(2):
+        ref = reference_coordinated(
+            design.units[r].tolist(), design.inclusion[r].tolist(), u.tolist()
+        )
+        assert kept[r].tolist() == ref
+
+
+def test_coordinated_sampling_monte_carlo_is_unbiased():
+    """Over N seeds of the permanent numbers: keep frequencies within Z binomial standard
+    errors of P_i, spans kept or dropped whole, the Horvitz-Thompson total and the kept count
+    within Z standard errors of the truth and the budget (Poisson sampling: independent units,
+    so the variance of the count is sum |B_k|^2 P_k (1 - P_k))."""
+    N, n = 20000, 6
+    pi = torch.tensor([[1, 2, 8, 8, 8, 8, 8, 1, 2, 1, 7, 7, 1, 30, 1, 2]], dtype=F64)
+    core = torch.zeros_like(pi, dtype=torch.bool)
+    core[0, 13] = True
+    design = block_design(pi, n, 4, outside=core, units="spans")
+    kept = torch.stack(
+        [sample_design_coordinated(design, permanent_numbers(16, s))[0] for s in range(N)]
+    )
+    P = design.entry_inclusion[0]
+    inner = (P > 0) & (P < 1)
+    freq = kept.double().mean(0)
+    assert ((freq - P).abs()[inner] <= Z * (P * (1 - P) / N).sqrt()[inner]).all()
+    assert not kept[:, 13].any()
+    assert (kept[:, 2:6].all(-1) == kept[:, 2]).all() and (kept[:, 10] == kept[:, 11]).all()
+    sizes = kept.sum(-1).double()
+    Pk, bk = design.inclusion[0], design.sizes[0].double()
+    sd = float((bk**2 * Pk * (1 - Pk)).sum().sqrt())
+    assert abs(float(sizes.mean()) - n) <= Z * sd / math.sqrt(N)
+    f = torch.linspace(0.2, 3.0, 16, dtype=F64)
+    w = torch.where(P > 0, 1 / P.clamp(min=1e-300), 0.0)
+    totals = (kept.double() * w * f).sum(-1)
+    truth = float(f[P > 0].sum())
+    assert abs(float(totals.mean()) - truth) <= Z * float(totals.std()) / math.sqrt(N)
+
+
+def test_coordinated_sampling_couples_heads_through_positions():
+    """Heads with the same P keep the same units for every set of numbers; where two heads'
+    units start at the same position, the head with the larger P keeps the unit whenever the
+    other does (nested samples), and the shared number couples them: their joint keep
+    frequency is min(P_a, P_b), not P_a P_b."""
+    pi = proposal(1, 30, 3).expand(2, -1).clone()
+    same = block_design(pi, 8.0, 1)
+    for s in range(50):
+        kept = sample_design_coordinated(same, permanent_numbers(30, s))
+        assert torch.equal(kept[0], kept[1])
+    pi[1] = pi[1] ** 2  # sharper: other P, the same single-entry units
+    design = block_design(pi, 8.0, 1)
+    N = 20000
+    kept = torch.stack(
+        [sample_design_coordinated(design, permanent_numbers(30, s)) for s in range(N)]
+    )
+    Pa, Pb = design.entry_inclusion
+    lo, hi = torch.minimum(Pa, Pb), torch.maximum(Pa, Pb)
+    small = torch.where((Pa <= Pb).unsqueeze(0), kept[:, 0], kept[:, 1])
+    large = torch.where((Pa <= Pb).unsqueeze(0), kept[:, 1], kept[:, 0])
+    assert not (small & ~large).any()  # nested
+    joint = (kept[:, 0] & kept[:, 1]).double().mean(0)
+    inner = (lo > 0.2) & (hi < 0.8)  # independence would give P_a P_b <= lo - 0.04
+    assert inner.sum() >= 3
+    assert ((joint - lo).abs()[inner] <= Z * (lo * (1 - lo) / N).sqrt()[inner]).all()
+    indep = Pa * Pb
+    assert ((joint - indep) > Z * (indep * (1 - indep) / N).sqrt())[inner].all()
+
+
+def test_permanent_numbers_depend_on_the_seed_only():
+    a = permanent_numbers(64, 7)
+    assert torch.equal(a, permanent_numbers(64, 7)) and a.dtype == F64
+    assert ((a >= 0) & (a < 1)).all()
+    assert not torch.equal(a, permanent_numbers(64, 8))
+    assert torch.equal(permanent_numbers(40, 7), a[:40])  # a longer prompt extends a shorter one
+
+
 # ------------------------------------------------------------------------------ bad input
 
 
@@ -625,6 +742,14 @@ def test_bad_input_names_the_value():
         sample_design(block_design(pi, 2, 1), "lifo", gen(0))
     with pytest.raises(ValueError, match=r"generator must be a torch\.Generator"):
         sample_design(block_design(pi, 2, 1), "random", 0)
+    with pytest.raises(ValueError, match=r"t must be a positive integer \(positions\), got 0"):
+        permanent_numbers(0, 1)
+    with pytest.raises(ValueError, match=r"seed must be an integer, got 1\.5"):
+        permanent_numbers(4, 1.5)
+    with pytest.raises(ValueError, match=r"numbers_ must be a float tensor \[>= 5\]"):
+        sample_design_coordinated(block_design(pi, 2, 1), torch.rand(4))
+    with pytest.raises(ValueError, match=r"numbers_ must lie in \[0, 1\)"):
+        sample_design_coordinated(block_design(pi, 2, 1), torch.ones(5))
     P = torch.full((1, 4), 0.5, dtype=F64)
     with pytest.raises(ValueError, match="order must hold a permutation"):
         systematic_sample_ordered(P, torch.tensor([[0, 0, 1, 2]]), torch.tensor([0.5]))
