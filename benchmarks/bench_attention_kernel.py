@@ -20,7 +20,7 @@ and the peak extra memory (peak RSS growth, fresh subprocess) of the chunked ker
 dense reference that materialises the ``[Hq, t, t]`` attention matrix.
 
 Usage: ``python benchmarks/bench_attention_kernel.py [--t 2048 4096 8192] [--reps 3]
-[--chunk-sizes 32 64 128] [--dtypes float32 bfloat16] [--no-memory]``. With bfloat16 inputs
+[--chunk-sizes 32 64 128] [--dtypes float32 bfloat16] [--no-memory] [--profile]``. With bfloat16 inputs
 the SDPA baseline computes in bfloat16 while probkv's kernels upcast to float32 (its
 statistics are float32 by design). Timings on a shared machine are noisy: rounds
 are interleaved and the minimum is reported.
@@ -108,6 +108,44 @@ def time_one(
     return best
 
 
+def profile_one(t: int, dtype: torch.dtype, top: int = 8) -> None:
+    """Where the chunked kernel's time goes: torch.profiler's self CPU time per aten op for one
+    call of output + column sums (default chunk), beside one call of SDPA, as shares of SDPA's
+    total. SDPA's fused kernel is one op; the chunked kernel's matmuls, softmax and column sums
+    are separate ops, each a pass over a chunk's scores."""
+    from torch.profiler import ProfilerActivity, profile
+
+    q, k, v = _inputs(t, dtype=dtype)
+    scale = D**-0.5
+    w = harmonic_row_weights(t)[None]
+    calls = {
+        "sdpa": lambda: F.scaled_dot_product_attention(
+            q[None], k[None], v[None], is_causal=True, scale=scale, enable_gqa=True
+        ),
+        "out+cs": lambda: causal_attention_with_column_sums(q, k, v, scale=scale, row_weights=w),
+    }
+    totals, ops = {}, {}
+    for name, fn in calls.items():
+        fn()  # warm-up: allocator, first-call dispatch
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
+        events = prof.key_averages()
+        totals[name] = sum(e.self_cpu_time_total for e in events)
+        ops[name] = sorted(
+            ((e.key, e.count, e.self_cpu_time_total) for e in events), key=lambda x: -x[2]
+        )
+    ref = totals["sdpa"]
+    print(f"\nprofile, {dtype_name(dtype)}, t = {t}: self CPU time per op, share of SDPA's total")
+    for name in calls:
+        print(f"  {name}: total {totals[name] / 1e3:.1f} ms = {totals[name] / ref:.3f} x sdpa")
+        for key, count, us in ops[name][:top]:
+            print(f"    {key:<48} {count:>6} calls {us / 1e3:>9.1f} ms {us / ref:>7.3f}")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def _dense_reference(q, k, v, scale, w):
     """The t x t way: what the chunked kernel avoids (for the memory comparison)."""
     g = q.shape[0] // k.shape[0]
@@ -174,6 +212,11 @@ def main() -> None:
         "--chunk-sizes", type=int, nargs="*", default=[], help="extra chunk sizes to time"
     )
     ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="also print the per-op breakdown (torch.profiler) of one call per t",
+    )
     ap.add_argument("--memory-child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.memory_child:
@@ -208,6 +251,10 @@ def main() -> None:
                     flush=True,
                 )
     print("* = default chunk size")
+    if args.profile:
+        for name in args.dtypes:
+            for t in args.t:
+                profile_one(t, getattr(torch, name))
 
     if args.no_memory:
         return
