@@ -180,10 +180,18 @@ VALUES = {
     "order": ["position", "random"],
     "units": ["blocks", "spans"],
     "gap": ["0", "1", "2"],
+    "coordinate": ["true", "false"],
     "pool": ["1", "3", "7"],
 }
-SPAN_DEFAULTS = {"core=0", "block=1", "order=position", "units=blocks", "gap=0"}  # S10: pps
-SPAN_OPTIONS = ("core", "block", "order", "units", "gap")
+SPAN_DEFAULTS = {  # S10: designs of pps
+    "core=0",
+    "block=1",
+    "order=position",
+    "units=blocks",
+    "gap=0",
+    "coordinate=false",
+}
+SPAN_OPTIONS = ("core", "block", "order", "units", "gap", "coordinate")
 
 
 def span_design_without_pps(options: list[str]) -> bool:
