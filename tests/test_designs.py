@@ -34,6 +34,7 @@ from probkv.designs import (
     sample_design,
     sample_design_coordinated,
     spans,
+    spread_offsets,
     systematic_sample_ordered,
     top_entries,
     top_entries_global,
@@ -609,9 +610,11 @@ def test_top_entries_matches_reference(data, t, ties, seed):
 # ----------------------------------------------------- coordinated Poisson sampling (S10.4)
 
 
-def reference_coordinated(units: list[int], P: list[float], u: list[float]) -> list[bool]:
+def reference_coordinated(
+    units: list[int], P: list[float], u: list[float], offset: float = 0.0
+) -> list[bool]:
     """S10.4 literally: walk the entries; a unit's first entry (the first time its number is
-    seen) decides it by ``u[first] < P_k``; every entry follows its unit."""
+    seen) decides it by ``(u[first] + offset) mod 1 < P_k``; every entry follows its unit."""
     decided: dict[int, bool] = {}
     kept = []
     for i, k in enumerate(units):
@@ -619,7 +622,7 @@ def reference_coordinated(units: list[int], P: list[float], u: list[float]) -> l
             kept.append(False)
             continue
         if k not in decided:
-            decided[k] = u[i] < P[k]
+            decided[k] = math.fmod(u[i] + offset, 1.0) < P[k]
         kept.append(decided[k])
     return kept
 
@@ -646,12 +649,17 @@ def test_coordinated_sampling_matches_the_reference(t, block, kind, kept_fractio
             if f < t and k % 2 == 0:  # half the units get a number on their boundary
                 u[f] = float(design.inclusion[r, k]) * (1 - 1e-12 * (k % 4 == 0))
     u = u.clamp(max=1 - 2**-53)
-    kept = sample_design_coordinated(design, u)
-    for r in range(2):
-        ref = reference_coordinated(
-            design.units[r].tolist(), design.inclusion[r].tolist(), u.tolist()
+    assert sample_design_coordinated(design, u).tolist() == [
+        reference_coordinated(design.units[r].tolist(), design.inclusion[r].tolist(), u.tolist())
+        for r in range(2)
+    ]
+    offsets = spread_offsets(torch.tensor([seed % 7, seed % 7 + 1]))
+    assert sample_design_coordinated(design, u, offsets).tolist() == [
+        reference_coordinated(
+            design.units[r].tolist(), design.inclusion[r].tolist(), u.tolist(), float(offsets[r])
         )
-        assert kept[r].tolist() == ref
+        for r in range(2)
+    ]
 
 
 def test_coordinated_sampling_monte_carlo_is_unbiased():
@@ -713,6 +721,32 @@ def test_coordinated_sampling_couples_heads_through_positions():
     assert ((joint - indep) > Z * (indep * (1 - indep) / N).sqrt())[inner].all()
 
 
+def test_negative_coordination_spreads_a_position_over_heads():
+    """Offsets r / n: n heads with the same P at a unit keep it in floor(nP) or ceil(nP) heads
+    for every set of numbers; with ``spread_offsets`` (golden ratio) 30 consecutive heads stay
+    within 2.5 heads of nP (the offsets' worst arc, computed on a grid, is 2.275 off; an
+    independent draw is off by more than 2.5 heads with probability up to ~0.3); each head's
+    marginal stays P (Monte Carlo, Z binomial errors)."""
+    n, t = 30, 20
+    pi = proposal(1, t, 4).expand(n, -1).contiguous()
+    design = block_design(pi, 6.0, 1)
+    P = design.entry_inclusion[0]
+    even = torch.arange(n, dtype=F64) / n
+    golden = spread_offsets(torch.arange(40, 40 + n))
+    N = 4000
+    freq = torch.zeros(n, t, dtype=F64)
+    for s in range(N):
+        u = permanent_numbers(t, s)
+        heads = sample_design_coordinated(design, u, even).sum(0).double()
+        assert ((heads >= torch.floor(n * P)) & (heads <= torch.ceil(n * P))).all()
+        kept = sample_design_coordinated(design, u, golden)
+        assert ((kept.sum(0).double() - n * P).abs() <= 2.5).all()
+        freq += kept.double()
+    inner = (P > 0) & (P < 1)
+    err = (freq / N - P).abs()[:, inner]
+    assert (err <= Z * (P * (1 - P) / N).sqrt()[inner]).all()
+
+
 def test_permanent_numbers_depend_on_the_seed_only():
     a = permanent_numbers(64, 7)
     assert torch.equal(a, permanent_numbers(64, 7)) and a.dtype == F64
@@ -750,6 +784,10 @@ def test_bad_input_names_the_value():
         sample_design_coordinated(block_design(pi, 2, 1), torch.rand(4))
     with pytest.raises(ValueError, match=r"numbers_ must lie in \[0, 1\)"):
         sample_design_coordinated(block_design(pi, 2, 1), torch.ones(5))
+    with pytest.raises(ValueError, match=r"offsets must be a tensor \[2\] in \[0, 1\)"):
+        sample_design_coordinated(block_design(pi, 2, 1), torch.rand(5), torch.ones(2))
+    with pytest.raises(ValueError, match="head_ids must be non-negative integers"):
+        spread_offsets(torch.tensor([-1]))
     P = torch.full((1, 4), 0.5, dtype=F64)
     with pytest.raises(ValueError, match="order must hold a permutation"):
         systematic_sample_ordered(P, torch.tensor([[0, 0, 1, 2]]), torch.tensor([0.5]))

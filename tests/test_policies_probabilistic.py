@@ -729,9 +729,10 @@ def test_span_designs_global_property(lengths, heads, ratio, core, block, order,
         "scope=global/core=0.5/units=spans/block=4",
         "units=spans/block=6/gap=2",
         "scope=global/core=0.5/units=spans/block=8/gap=1",
-        "coordinate=true",
-        "coordinate=true/core=0.5/units=spans/block=4",
-        "scope=global/coordinate=true/core=0.5/units=spans/block=8",
+        "coordination=positive",
+        "coordination=negative/core=0.5/units=spans/block=4",
+        "scope=global/coordination=positive/core=0.5/units=spans/block=8",
+        "scope=global/coordination=negative/core=0.5/units=spans/block=8",
     ],
 )
 def test_span_designs_corrected_total_is_unbiased(options):
@@ -778,34 +779,37 @@ def test_span_options_fail_naming_the_value():
         ValueError, match=r"gap=1 bridges .* needs units='spans', got units='blocks'"
     ):
         ProbabilisticPolicy(units="blocks", gap=1)
-    with pytest.raises(ValueError, match="coordinate must be True or False, got 'yes'"):
-        ProbabilisticPolicy(coordinate="yes")
-    with pytest.raises(ValueError, match="coordinate=True is a design of sampler='pps'"):
-        ProbabilisticPolicy(sampler="with_replacement", coordinate=True)
+    with pytest.raises(
+        ValueError, match="coordination must be one of 'none', 'positive', 'negative'; got 'yes'"
+    ):
+        ProbabilisticPolicy(coordination="yes")
+    with pytest.raises(ValueError, match="coordination='positive' is a design of sampler='pps'"):
+        ProbabilisticPolicy(sampler="with_replacement", coordination="positive")
 
 
 @pytest.mark.parametrize("scope", ["head", "global"])
-def test_coordinate_keeps_the_same_positions_in_every_head_and_layer(scope):
-    """S10.4 coordinate=true: heads of any layer with the same proposal (and the same budget)
-    keep the same positions, with the same weights; the default random-order systematic draw
-    keeps different ones; the kept set depends on the seed."""
+def test_coordination_keeps_positions_together_or_apart_across_heads_and_layers(scope):
+    """S10.4: heads of any layer with the same proposal (and budget) keep the same positions
+    with coordination=positive, with the same weights; the default independent systematic
+    draws keep different ones, and coordination=negative keeps different ones with the same
+    weights (same P); the kept set depends on the seed."""
     base = 2 * torch.randn(1, 60, generator=gen(11))
     obs = [synthetic(base.expand(3, -1).clone(), 0, i) for i in range(2)]
     method = f"prob:h2o/scope={scope}/block=1/units=spans/core=0.2"
-    coordinated = parse_method(f"{method}/coordinate=true", ratio=0.6)
-    sel = coordinated.select(obs, num_layers=2)
+    positive = parse_method(f"{method}/coordination=positive", ratio=0.6)
+    sel = positive.select(obs, num_layers=2)
     first_idx, first_logw = sel[0].head(0)
     for layer in sel:
         for h in range(3):
             idx, logw = layer.head(h)
             assert torch.equal(idx, first_idx) and torch.equal(logw, first_logw)
-    plain = parse_method(method, ratio=0.6).select(obs, num_layers=2)
-    heads = [tuple(layer.head(h)[0].tolist()) for layer in plain for h in range(3)]
-    assert len(set(heads)) > 1
-    other = dataclasses.replace(coordinated, seed=1).select(obs, num_layers=2)
-    assert not torch.equal(other[0].head(0)[0], first_idx)
-    assert "/coordinate=true" in method_name(coordinated)
-    assert parse_method(method_name(coordinated), ratio=0.6) == coordinated
+    for other in (method, f"{method}/coordination=negative"):
+        layers = parse_method(other, ratio=0.6).select(obs, num_layers=2)
+        assert len({tuple(x.head(h)[0].tolist()) for x in layers for h in range(3)}) > 1
+    reseeded = dataclasses.replace(positive, seed=1).select(obs, num_layers=2)
+    assert not torch.equal(reseeded[0].head(0)[0], first_idx)
+    assert "/coordination=positive" in method_name(positive)
+    assert parse_method(method_name(positive), ratio=0.6) == positive
 
 
 @pytest.mark.parametrize("scope", ["head", "global"])

@@ -180,7 +180,7 @@ VALUES = {
     "order": ["position", "random"],
     "units": ["blocks", "spans"],
     "gap": ["0", "1", "2"],
-    "coordinate": ["true", "false"],
+    "coordination": ["none", "positive", "negative"],
     "pool": ["1", "3", "7"],
 }
 SPAN_DEFAULTS = {  # S10: designs of pps
@@ -189,9 +189,9 @@ SPAN_DEFAULTS = {  # S10: designs of pps
     "order=position",
     "units=blocks",
     "gap=0",
-    "coordinate=false",
+    "coordination=none",
 }
-SPAN_OPTIONS = ("core", "block", "order", "units", "gap", "coordinate")
+SPAN_OPTIONS = ("core", "block", "order", "units", "gap", "coordination")
 
 
 def span_design_without_pps(options: list[str]) -> bool:

@@ -18,8 +18,10 @@ budget and the Horvitz-Thompson weights ``1 / P`` (so S4's correction stays unbi
   ``sample_design``, which draws a design's kept entries;
 - coordinated Poisson sampling (S10.4): ``permanent_numbers`` draws one uniform number per
   position, shared by every head of every layer, and ``sample_design_coordinated`` keeps a
-  unit when the number at its first entry is below ``P_k``: the same marginals ``P_k`` and
-  weights, a random kept count, and heads that keep the same positions together.
+  unit when the number at its first entry (shifted by the head's offset, modulo 1) is below
+  ``P_k``: the same marginals ``P_k`` and weights, a random kept count; with no offsets heads
+  keep the same positions together (positive coordination), with ``spread_offsets`` they keep
+  them apart (negative coordination).
 
 Conventions (as ``probkv.sampling``): rows ``[R, t]``, one per KV head; float64 arithmetic;
 entries with ``pi = 0`` are outside the design (always-kept or core entries, kept by the caller
@@ -43,6 +45,10 @@ ORDERS = ("position", "random")
 # Stream of the permanent random numbers: seeded by the policy's seed only (never the layer),
 # so every layer of one eviction, and every later eviction with that seed, shares them.
 PRN_STREAM = 99_991
+COORDINATIONS = ("none", "positive", "negative")
+"""How heads' samples relate (S10.4): independent systematic draws, or Poisson draws from
+shared permanent random numbers, unshifted (``positive``) or spread by head (``negative``)."""
+GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
 """Visiting orders of systematic sampling (S10.4)."""
 
 UNITS = ("blocks", "spans")
@@ -577,18 +583,36 @@ def first_entries(design: UnitDesign) -> torch.Tensor:
     )
 
 
-def sample_design_coordinated(design: UnitDesign, numbers_: torch.Tensor) -> torch.Tensor:
+def spread_offsets(head_ids: torch.Tensor) -> torch.Tensor:
+    """float64 offsets ``frac(g h)`` of global head numbers ``h`` (``g`` the golden ratio's
+    fractional part, S10.4's negative coordination): any run of ``n`` consecutive heads gets
+    offsets nearly evenly spread over ``[0, 1)`` (three-gap theorem: the gaps between them take
+    at most three values, none above ``2.7 / n``), so the shifted numbers of one position in
+    those heads are spread too."""
+    h = torch.as_tensor(head_ids)
+    if h.dtype not in (torch.int32, torch.int64) or (h < 0).any():
+        raise ValueError(f"head_ids must be non-negative integers, got {h!r}")
+    return torch.frac(h.to(torch.float64) * GOLDEN)
+
+
+def sample_design_coordinated(
+    design: UnitDesign, numbers_: torch.Tensor, offsets: torch.Tensor | None = None
+) -> torch.Tensor:
     """The kept entries of a design by coordinated Poisson sampling (S10.4): bool ``[R, t]``.
 
-    Unit ``k`` is kept iff ``u[f_k] < P_k``, ``u = numbers_`` (``permanent_numbers``) and
-    ``f_k`` its first position. The units are a function of the proposal alone and ``u`` is
-    uniform and independent of it, so entry ``i`` is kept with probability exactly ``P_i``
-    (its unit's) and ``1 / P_i`` weights stay unbiased. Units of one row start at different
-    positions, so within a head the draws are independent (Poisson sampling: the kept count
-    is random, ``sum_k |B_k| P_k`` in expectation); heads whose units start at the same
-    position share the number, so their draws are positively coupled: heads with the same
-    ``P`` keep the same units, and a head keeps a unit whenever a head with smaller ``P``
-    there does.
+    Unit ``k`` of row ``r`` is kept iff ``frac(u[f_k] + o_r) < P_k``, ``u = numbers_``
+    (``permanent_numbers``), ``f_k`` its first position and ``o_r = offsets[r]`` (0 if
+    ``None``). The units are a function of the proposal alone and ``frac(u + o)`` is uniform
+    and independent of it for any fixed ``o``, so entry ``i`` is kept with probability exactly
+    ``P_i`` (its unit's) and ``1 / P_i`` weights stay unbiased. Units of one row start at
+    different positions, so within a head the draws are independent (Poisson sampling: the
+    kept count is random, ``sum_k |B_k| P_k`` in expectation). Across heads, units that start
+    at the same position share ``u``: with equal offsets (positive coordination) heads with the
+    same ``P`` keep the same units and a head keeps a unit whenever a head with smaller ``P``
+    there does (joint keep ``min(P_a, P_b)``); with offsets spread over ``[0, 1)`` (negative
+    coordination) they keep it apart: ``n`` heads with offsets ``r / n`` and equal ``P`` keep
+    it in exactly ``floor(nP)`` or ``ceil(nP)`` of them, never all or none by chance
+    (``spread_offsets`` are close to that spacing for any run of consecutive heads).
     """
     t = design.units.shape[-1]
     u = torch.as_tensor(numbers_)
@@ -600,6 +624,15 @@ def sample_design_coordinated(design: UnitDesign, numbers_: torch.Tensor) -> tor
     if not ((u >= 0) & (u < 1)).all():
         raise ValueError("numbers_ must lie in [0, 1)")
     u = u[:t].to(device=design.inclusion.device, dtype=torch.float64)
-    u = torch.cat([u, u.new_ones(1)])  # padding units (first position t) are never kept
-    kept_units = u[first_entries(design)] < design.inclusion
+    numbers_at = u[first_entries(design).clamp(max=t - 1)]
+    if offsets is not None:
+        o = torch.as_tensor(offsets, dtype=torch.float64, device=u.device)
+        if o.shape != design.inclusion.shape[:1] or not ((o >= 0) & (o < 1)).all():
+            raise ValueError(
+                f"offsets must be a tensor [{design.inclusion.shape[0]}] in [0, 1), got "
+                f"shape {tuple(o.shape)}"
+            )
+        numbers_at = torch.frac(numbers_at + o.unsqueeze(-1))
+    # padding units (first position t) have P = 0 and are never kept
+    kept_units = numbers_at < design.inclusion
     return kept_units.gather(-1, design.units.clamp(min=0)) & (design.units >= 0)

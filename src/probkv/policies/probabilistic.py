@@ -97,11 +97,13 @@ class ProbabilisticPolicy(EvictionPolicy):
       entry a unit of its own: a needle's tokens are kept or dropped together, the kept count
       is random around the budget; ``designs.spans``); ``gap`` (spans only) = the longest run
       of below-average entries bridged inside a span (a UUID's ``-``; default the score's
-      ``prob_gap``, 0); ``coordinate`` = ``True`` replaces systematic sampling by coordinated
-      Poisson sampling (``order`` is then unused): one permanent random number per position,
-      shared by every head of every layer, keeps a unit when the number at its first entry is
-      below ``P`` (``designs.sample_design_coordinated``; same ``P`` and weights, random kept
-      count, heads keep the same positions together).
+      ``prob_gap``, 0); ``coordination`` = ``"none"`` (independent
+      systematic draws per head), ``"positive"`` or ``"negative"``: coordinated Poisson
+      sampling instead (``order`` is then unused): one permanent random number per position
+      from ``seed``, shared by every head of every layer (shifted by a head's spread offset,
+      ``"negative"``), keeps a unit when the number at its first entry is below ``P``
+      (``designs.sample_design_coordinated``; same ``P`` and weights, random kept count;
+      heads keep the same positions together, or apart).
       Scope "global": the core is the ``floor(f S)`` entries of largest proposal over all heads
       of all layers (``S`` the global sampled budget), then one pps scale for the rest.
 
@@ -135,7 +137,7 @@ class ProbabilisticPolicy(EvictionPolicy):
     units: str | None = None  # None: the score's prob_units for sampler="pps", else "blocks"
     gap: int | None = None  # None: the score's prob_gap for sampler="pps", 0 otherwise
     pool: int = 1
-    coordinate: bool = False
+    coordination: str = "none"
 
     # Fields whose defaults depend on these (core, block, order, units, tau, uniform_mix on the
     # sampler): method names compare them with the defaults of a policy with the same sampler.
@@ -182,12 +184,11 @@ class ProbabilisticPolicy(EvictionPolicy):
         designs.check_units(self.units)
         object.__setattr__(self, "gap", designs.check_gap(self.gap, self.units))
         proposals.check_pool_kernel(self.pool)
-        if not isinstance(self.coordinate, bool):
-            raise ValueError(f"coordinate must be True or False, got {self.coordinate!r}")
-        if self.coordinate and self.sampler != "pps":
+        check_choice(self.coordination, designs.COORDINATIONS, "coordination")
+        if self.coordination != "none" and self.sampler != "pps":
             raise ValueError(
-                f"coordinate=True is a design of sampler='pps' (S10.4), got "
-                f"sampler={self.sampler!r}"
+                f"coordination={self.coordination!r} is a design of sampler='pps' (S10.4), "
+                f"got sampler={self.sampler!r}"
             )
         if self.sampler != "pps" and self._span_design:
             raise ValueError(
@@ -204,7 +205,7 @@ class ProbabilisticPolicy(EvictionPolicy):
             or self.block > 1
             or self.order != "position"
             or self.units != "blocks"
-            or self.coordinate
+            or self.coordination != "none"
         )
 
     @property
@@ -259,8 +260,13 @@ class ProbabilisticPolicy(EvictionPolicy):
                 ranked = [pooled[i] for i in live]
             keys = [k[rows[i]].double() for k, i in zip(ranked, live)]
             masses = self._head_masses(keys) if live else None
-        if self._span_design:  # S10.2-S10.4
-            draw = functools.partial(self._draw_span, keys)
+        if self._span_design:  # S10.2-S10.4; heads numbered across layers (coordination)
+            head_ids = [
+                observations[i].layer_idx * observations[i].num_heads
+                + torch.arange(observations[i].num_heads)[rows[i].cpu()]
+                for i in live
+            ]
+            draw = functools.partial(self._draw_span, keys, head_ids)
         drawn = []
         if live:
             drawn = draw(
@@ -352,7 +358,7 @@ class ProbabilisticPolicy(EvictionPolicy):
             out.append((kept, logw))
         return out
 
-    def _draw_span(self, keys, pis, forced, head_budgets, generator, masses=None):
+    def _draw_span(self, keys, head_ids, pis, forced, head_budgets, generator, masses=None):
         """S10.2-S10.4: a deterministic core, then pps over blocks visited in ``order``;
         weights 1 on the core, ``1 / P`` of the entry's block elsewhere."""
         if self.scope == "global":
@@ -382,15 +388,18 @@ class ProbabilisticPolicy(EvictionPolicy):
                     )
                 )
         numbers = None
-        if self.coordinate:  # S10.4: one number per position for every head of every layer
+        if self.coordination != "none":  # S10.4: one number per position for every head
             t = max(pi.shape[-1] for pi in pis)
             numbers = designs.permanent_numbers(t, self.seed, device=pis[0].device)
         out = []
-        for pi, core, design in zip(pis, cores, units):
+        for pi, core, design, heads in zip(pis, cores, units, head_ids):
             if numbers is None:
                 drawn = designs.sample_design(design, self.order, generator)
             else:
-                drawn = designs.sample_design_coordinated(design, numbers)
+                offsets = None
+                if self.coordination == "negative":
+                    offsets = designs.spread_offsets(heads.to(pi.device))
+                drawn = designs.sample_design_coordinated(design, numbers, offsets)
             kept = drawn | core
             logw = None
             if self.corrected:
