@@ -42,14 +42,15 @@ from probkv import sampling
 from probkv._checks import check_choice, check_ratio
 
 ORDERS = ("position", "random")
-# Stream of the permanent random numbers: seeded by the policy's seed only (never the layer),
-# so every layer of one eviction, and every later eviction with that seed, shares them.
-PRN_STREAM = 99_991
+"""Visiting orders of systematic sampling (S10.4)."""
+
 COORDINATIONS = ("none", "positive", "negative")
 """How heads' samples relate (S10.4): independent systematic draws, or Poisson draws from
 shared permanent random numbers, unshifted (``positive``) or spread by head (``negative``)."""
-GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
-"""Visiting orders of systematic sampling (S10.4)."""
+# Stream of the permanent random numbers: seeded by the policy's seed only (never the layer),
+# so every layer of one eviction, and every later eviction with that seed, shares them.
+PRN_STREAM = 99_991
+GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0  # the golden ratio's fractional part (spread_offsets)
 
 UNITS = ("blocks", "spans")
 """Sampling units of the pps designs (S10.3): ``"blocks"``, runs of ``block`` consecutive
