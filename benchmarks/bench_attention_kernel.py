@@ -108,11 +108,14 @@ def time_one(
     return best
 
 
-def profile_one(t: int, dtype: torch.dtype, top: int = 8) -> None:
+def profile_one(
+    t: int, dtype: torch.dtype, top: int = 8
+) -> dict[str, dict[str, tuple[int, float]]]:
     """Where the chunked kernel's time goes: torch.profiler's self CPU time per aten op for one
     call of output + column sums (default chunk), beside one call of SDPA, as shares of SDPA's
     total. SDPA's fused kernel is one op; the chunked kernel's matmuls, softmax and column sums
-    are separate ops, each a pass over a chunk's scores."""
+    are separate ops, each a pass over a chunk's scores. Prints the ``top`` ops of each call and
+    returns ``{call: {op: (calls, self CPU microseconds)}}``."""
     from torch.profiler import ProfilerActivity, profile
 
     q, k, v = _inputs(t, dtype=dtype)
@@ -124,22 +127,20 @@ def profile_one(t: int, dtype: torch.dtype, top: int = 8) -> None:
         ),
         "out+cs": lambda: causal_attention_with_column_sums(q, k, v, scale=scale, row_weights=w),
     }
-    totals, ops = {}, {}
+    ops: dict[str, dict[str, tuple[int, float]]] = {}
     for name, fn in calls.items():
         fn()  # warm-up: allocator, first-call dispatch
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             fn()
-        events = prof.key_averages()
-        totals[name] = sum(e.self_cpu_time_total for e in events)
-        ops[name] = sorted(
-            ((e.key, e.count, e.self_cpu_time_total) for e in events), key=lambda x: -x[2]
-        )
+        ops[name] = {e.key: (e.count, e.self_cpu_time_total) for e in prof.key_averages()}
+    totals = {name: sum(us for _, us in table.values()) for name, table in ops.items()}
     ref = totals["sdpa"]
     print(f"\nprofile, {dtype_name(dtype)}, t = {t}: self CPU time per op, share of SDPA's total")
-    for name in calls:
+    for name, table in ops.items():
         print(f"  {name}: total {totals[name] / 1e3:.1f} ms = {totals[name] / ref:.3f} x sdpa")
-        for key, count, us in ops[name][:top]:
+        for key, (count, us) in sorted(table.items(), key=lambda x: -x[1][1])[:top]:
             print(f"    {key:<48} {count:>6} calls {us / 1e3:>9.1f} ms {us / ref:>7.3f}")
+    return ops
 
 
 def dtype_name(dtype: torch.dtype) -> str:
