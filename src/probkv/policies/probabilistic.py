@@ -260,12 +260,14 @@ class ProbabilisticPolicy(EvictionPolicy):
                 ranked = [pooled[i] for i in live]
             keys = [k[rows[i]].double() for k, i in zip(ranked, live)]
             masses = self._head_masses(keys) if live else None
-        if self._span_design:  # S10.2-S10.4; heads numbered across layers (coordination)
-            head_ids = [
-                observations[i].layer_idx * observations[i].num_heads
-                + torch.arange(observations[i].num_heads)[rows[i].cpu()]
-                for i in live
-            ]
+        if self._span_design:  # S10.2-S10.4
+            head_ids = None  # heads numbered across layers: only negative coordination uses them
+            if self.coordination == "negative":
+                head_ids = [
+                    observations[i].layer_idx * observations[i].num_heads
+                    + torch.arange(observations[i].num_heads, device=rows[i].device)[rows[i]]
+                    for i in live
+                ]
             draw = functools.partial(self._draw_span, keys, head_ids)
         drawn = []
         if live:
@@ -392,13 +394,11 @@ class ProbabilisticPolicy(EvictionPolicy):
             t = max(pi.shape[-1] for pi in pis)
             numbers = designs.permanent_numbers(t, self.seed, device=pis[0].device)
         out = []
-        for pi, core, design, heads in zip(pis, cores, units, head_ids):
+        for i, (pi, core, design) in enumerate(zip(pis, cores, units)):
             if numbers is None:
                 drawn = designs.sample_design(design, self.order, generator)
             else:
-                offsets = None
-                if self.coordination == "negative":
-                    offsets = designs.spread_offsets(heads.to(pi.device))
+                offsets = None if head_ids is None else designs.spread_offsets(head_ids[i])
                 drawn = designs.sample_design_coordinated(design, numbers, offsets)
             kept = drawn | core
             logw = None
