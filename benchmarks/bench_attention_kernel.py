@@ -45,6 +45,7 @@ from probkv.attention import (
     default_chunk_size,
     harmonic_row_weights,
 )
+from probkv.dtypes import dtype_name
 
 HQ, HKV, D = 9, 3, 64  # SmolLM2-135M
 
@@ -141,10 +142,6 @@ def profile_one(
         for key, (count, us) in sorted(table.items(), key=lambda x: -x[1][1])[:top]:
             print(f"    {key:<48} {count:>6} calls {us / 1e3:>9.1f} ms {us / ref:>7.3f}")
     return ops
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _dense_reference(q, k, v, scale, w):
