@@ -49,6 +49,7 @@ from probkv.score_functions import (
 
 __all__ = [
     "FORCED_LOG_SCORE",
+    "RECONSTRUCTION_SCORES",
     "SCORE_INPUTS",
     "SCORE_NAMES",
     "SCORE_SOURCES",
@@ -325,6 +326,10 @@ SCORE_TABLE: dict[str, ScoreSpec] = {
 }
 
 SCORE_NAMES: tuple[str, ...] = tuple(SCORE_TABLE)
+# The scores read from a reconstruction pass (S10.1): one pass gives all of them.
+RECONSTRUCTION_SCORES: tuple[str, ...] = tuple(
+    n for n, spec in SCORE_TABLE.items() if spec.source == "reconstruction"
+)
 
 
 def score_spec(name: str) -> ScoreSpec:

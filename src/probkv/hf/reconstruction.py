@@ -160,10 +160,9 @@ def reconstruct(
     """
     layers = [cache.layers[i] for i in cache.evicting_layers]
     if not all(layer.state is LayerState.AWAITING_RECONSTRUCTION for layer in layers):
-        names = [n for n in score_fns.SCORE_NAMES if score_fns.needs_reconstruction(n)]
         raise ValueError(
             "reconstruct() needs a cache whose prefill observed a reconstruction score "
-            f"({', '.join(names)}) and was not reconstructed yet"
+            f"({', '.join(score_fns.RECONSTRUCTION_SCORES)}) and was not reconstructed yet"
         )
     if prompt is None:
         warnings.warn(
@@ -192,15 +191,21 @@ def reconstruct(
     for chunk in chunks:
         _run_chunk(model, cache, layers, scorings, chunk.input_ids, context_ids.device)
     for layer, scoring in zip(layers, scorings):
-        scores = score_fns.compute_scores(
-            cache.policy.score,
-            None,
-            layer.tail_keys[0],
-            layer.tail_values[0],
-            scale=scoring.scale,
-            reconstruction=scoring.stats,
-            **params,
-        )
+        # every reconstruction score comes from the same statistics (S10.1): the policy's
+        # score, and the others for a pps tail (S10.2), each with its own defaults
+        computed = {
+            name: score_fns.compute_scores(
+                name,
+                None,
+                layer.tail_keys[0],
+                layer.tail_values[0],
+                scale=scoring.scale,
+                reconstruction=scoring.stats,
+                **{k: v for k, v in params.items() if k in score_fns.score_param_names(name)},
+            )
+            for name in score_fns.RECONSTRUCTION_SCORES
+        }
+        scores = computed[cache.policy.score]
         layer.observed(
             LayerObservation(
                 layer_idx=layer.layer_idx,
@@ -208,6 +213,11 @@ def reconstruct(
                 log_scores=scores.log_scores,
                 forced=scores.forced,
                 last_query_attention=layer.last_query_attention,
+                related_log_scores={
+                    name: other.log_scores
+                    for name, other in computed.items()
+                    if name != cache.policy.score
+                },
             )
         )
 
