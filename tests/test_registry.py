@@ -20,7 +20,7 @@ from probkv.policies import (
     method_options,
     parse_method,
 )
-from probkv.scores import SCORE_NAMES
+from probkv.scores import SCORE_NAMES, needs_reconstruction
 
 NAMED = [
     "full",
@@ -181,6 +181,7 @@ VALUES = {
     "units": ["blocks", "spans"],
     "gap": ["0", "1", "2"],
     "coordination": ["none", "positive", "negative"],
+    "tail": ["kvzip", "h2o-rec", "min-rec"],
     "pool": ["1", "3", "7"],
 }
 SPAN_DEFAULTS = {  # S10: designs of pps
@@ -207,6 +208,16 @@ def gap_without_spans(name: str, options: list[str]) -> bool:
     return units != ["units=spans"] and (units or name != "prob:kvzip")
 
 
+def tail_refused(name: str, options: list[str]) -> bool:
+    """A tail other than the score itself where the score is not a reconstruction score or the
+    sampler is not pps (S10.2; refused by name, tests/test_policies_probabilistic.py)."""
+    tails = [o.split("=")[1] for o in options if o.startswith("tail=")]
+    score = name.split(":")[-1]
+    if not tails or tails[0] == score:
+        return False
+    return not needs_reconstruction(score) or "sampler=with_replacement" in options
+
+
 @settings(max_examples=150, deadline=None)
 @given(data=st.data())
 def test_parse_and_name_round_trip(data):
@@ -217,6 +228,7 @@ def test_parse_and_name_round_trip(data):
     options = [f"{k}={data.draw(st.sampled_from(VALUES[k]))}" for k in keys]
     assume(not span_design_without_pps(options))  # refused by name (test below)
     assume(not gap_without_spans(name, options))  # refused by name (test below)
+    assume(not tail_refused(name, options))
     spec = "/".join([name, *options])
     ratio = data.draw(st.sampled_from([0.0, 0.25, 0.5, 0.9]))
     policy = parse_method(spec, ratio=ratio)

@@ -106,6 +106,10 @@ class ProbabilisticPolicy(EvictionPolicy):
       heads keep the same positions together, or apart).
       Scope "global": the core is the ``floor(f S)`` entries of largest proposal over all heads
       of all layers (``S`` the global sampled budget), then one pps scale for the rest.
+    - ``tail`` (pps, reconstruction scores only; S10.2): another reconstruction score whose
+      proposal draws the sampled stratum (its spans and weights ``1 / P``), while the core, the
+      forced entries and the global scope's head masses stay ``score``'s; one reconstruction
+      pass gives every reconstruction score (``LayerObservation.related_log_scores``).
 
     Forced entries (the score's, e.g. SnapKV's window, plus the recent ones) are kept with
     weight 1 and count against the budget; if they exceed a head's budget (a short prompt at
@@ -138,6 +142,7 @@ class ProbabilisticPolicy(EvictionPolicy):
     gap: int | None = None  # None: the score's prob_gap for sampler="pps", 0 otherwise
     pool: int = 1
     coordination: str = "none"
+    tail: str | None = None  # None: the sampled stratum is drawn from score's own proposal
 
     # Fields whose defaults depend on these (core, block, order, units, tau, uniform_mix on the
     # sampler): method names compare them with the defaults of a policy with the same sampler.
@@ -185,6 +190,7 @@ class ProbabilisticPolicy(EvictionPolicy):
         object.__setattr__(self, "gap", designs.check_gap(self.gap, self.units))
         proposals.check_pool_kernel(self.pool)
         check_choice(self.coordination, designs.COORDINATIONS, "coordination")
+        self._check_tail()
         if self.coordination != "none" and self.sampler != "pps":
             raise ValueError(
                 f"coordination={self.coordination!r} is a design of sampler='pps' (S10.4), "
@@ -196,6 +202,28 @@ class ProbabilisticPolicy(EvictionPolicy):
                 f"units={self.units!r}: these are designs of sampler='pps' (S10.2-S10.4); "
                 f"sampler={self.sampler!r} allows only core=0, block=1, order='position', "
                 "units='blocks'"
+            )
+
+    def _check_tail(self) -> None:
+        """S10.2 ``tail``: another reconstruction score whose proposal draws the sampled
+        stratum (the same pass gives every reconstruction score, S10.1)."""
+        if self.tail is None:
+            return
+        check_choice(self.tail, scores.SCORE_TABLE, "tail")
+        if self.tail == self.score:
+            object.__setattr__(self, "tail", None)  # the default, one canonical policy
+            return
+        both = (self.score, self.tail)
+        if not all(scores.needs_reconstruction(s) for s in both):
+            raise ValueError(
+                f"tail={self.tail!r} with score={self.score!r}: a tail is another score read "
+                "from the same reconstruction pass, so both must be among "
+                f"{', '.join(scores.RECONSTRUCTION_SCORES)}"
+            )
+        if self.sampler != "pps":
+            raise ValueError(
+                f"tail={self.tail!r} is a design of sampler='pps' (S10.2: core by the score, "
+                f"the sampled stratum by the tail), got sampler={self.sampler!r}"
             )
 
     @property
@@ -220,11 +248,27 @@ class ProbabilisticPolicy(EvictionPolicy):
         """``[Hkv, t]`` log-scores max-pooled over positions with kernel ``pool`` (S10)."""
         return proposals.max_pool_log_scores(obs.log_scores, self.pool, forced=obs.forced)
 
+    def _tail_scores(self, obs: LayerObservation, pooled: torch.Tensor) -> torch.Tensor:
+        """The pooled log-scores the proposal is built from: ``pooled`` (the score's own), or
+        the ``tail`` score's from ``obs.related_log_scores`` (S10.2)."""
+        if self.tail is None:
+            return pooled
+        if self.tail not in obs.related_log_scores:
+            have = ", ".join(sorted(obs.related_log_scores)) or "none"
+            raise ValueError(
+                f"tail={self.tail!r}: layer {obs.layer_idx}'s observation has no log-scores of "
+                f"{self.tail!r} (it has: {have}); the reconstruction pass computes them"
+            )
+        tail = obs.related_log_scores[self.tail].to(obs.log_scores.device)
+        return proposals.max_pool_log_scores(tail, self.pool, forced=obs.forced)
+
     def proposal(self, obs: LayerObservation, pooled: torch.Tensor | None = None) -> torch.Tensor:
-        """``[Hkv, t]``: zero on forced entries, full support on the others (S2). ``pooled``:
-        ``pooled_scores(obs)`` if already computed."""
+        """``[Hkv, t]``: zero on forced entries, full support on the others (S2); the sampled
+        stratum's proposal, so the ``tail`` score's if set. ``pooled``: ``pooled_scores(obs)``
+        if already computed."""
+        pooled = self.pooled_scores(obs) if pooled is None else pooled
         return proposals.proposal_from_log_scores(
-            self.pooled_scores(obs) if pooled is None else pooled,
+            self._tail_scores(obs, pooled),
             tau=self.proposal_tau,
             uniform_mix=self.uniform_mix,
             forced=obs.forced,
