@@ -153,7 +153,9 @@ def reconstruct(
     model, cache, context_ids: torch.Tensor, prompt: RepeatPrompt | None = None
 ) -> None:
     """Run the reconstruction pass over the prefilled ``cache`` (``context_ids [1, t]``, the
-    tokens it holds) and give every evicting layer its observation of the cache's score.
+    tokens it holds) and give every evicting layer its observation of the cache's score, with
+    the other reconstruction scores of the same statistics in ``related_log_scores`` (a pps
+    ``tail``, S10.2; they are held until eviction, one ``[Hkv, t]`` tensor each).
 
     ``prompt``: from ``repeat_prompt(tokenizer)``. ``None`` feeds the context again with no
     instruction (``RepeatPrompt()``) and warns: KVzip's prompt needs the tokenizer.
