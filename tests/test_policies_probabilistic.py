@@ -491,6 +491,26 @@ def test_core_one_is_the_topk_method_of_the_score(ratio, options):
         assert (ours.log_weights == 0).all()
 
 
+def assert_core_then_pps(head, core: set[int], pi: torch.Tensor, *, forced: int, sampled: int):
+    """One head's selection ``(idx, logw)`` against S10.2 with its last ``forced`` entries
+    forced: the core and the forced entries kept with log-weight 0, ``forced + sampled`` entries
+    in all, every other kept entry ``-log P_i`` with ``P`` the pps of ``pi`` restricted to the
+    entries outside the core, for the rest of the budget."""
+    idx, logw = head
+    t = pi.numel()
+    rest = pi.clone()
+    rest[list(core)] = 0.0
+    P = sampling.pps_inclusion_probabilities(
+        rest / rest.sum(), forced + sampled, forced + len(core)
+    )
+    assert core <= set(idx.tolist()) and len(idx) == forced + sampled
+    for i, w in zip(idx.tolist(), logw.double().tolist()):
+        if i in core or i >= t - forced:
+            assert w == 0.0
+        else:
+            assert w == pytest.approx(-math.log(float(P[i])), rel=1e-5, abs=1e-6)
+
+
 @pytest.mark.parametrize("pool", [1, 5])
 def test_core_is_weight_one_and_the_rest_pps_of_the_restricted_proposal(pool):
     """S10.2 per head: the floor(f b) entries of largest (pooled) score are kept with log-weight
@@ -507,17 +527,8 @@ def test_core_is_weight_one_and_the_rest_pps_of_the_restricted_proposal(pool):
     for seed in range(4):
         (sel,) = dataclasses.replace(policy, seed=seed).select([obs], num_layers=1)
         for h in range(2):
-            idx, logw = sel.head(h)
             core = reference_core(scores[h], obs.forced[h], floor_fraction(0.5, b))
-            rest = pi[h].clone()
-            rest[list(core)] = 0.0
-            P = sampling.pps_inclusion_probabilities(rest / rest.sum(), 8 + b, 8 + len(core))
-            assert core <= set(idx.tolist()) and len(idx) == 8 + b
-            for i, w in zip(idx.tolist(), logw.double().tolist()):
-                if i in core or i >= 52:
-                    assert w == 0.0
-                else:
-                    assert w == pytest.approx(-math.log(float(P[i])), rel=1e-5, abs=1e-6)
+            assert_core_then_pps(sel.head(h), core, pi[h], forced=8, sampled=b)
 
 
 def test_global_core_is_the_top_of_all_heads_then_one_scale():
@@ -913,18 +924,9 @@ def test_tail_core_by_the_score_the_rest_pps_of_the_tail():
         (sel,) = dataclasses.replace(policy, seed=seed).select([obs], num_layers=1)
         (own,) = parse_method(f"{method}/seed={seed}", ratio=0.7).select([obs], num_layers=1)
         for h in range(2):
-            idx, logw = sel.head(h)
             core = reference_core(obs.log_scores[h], obs.forced[h], floor_fraction(0.5, b))
-            rest = tail_pi[h].double().clone()
-            rest[list(core)] = 0.0
-            P = sampling.pps_inclusion_probabilities(rest / rest.sum(), 4 + b, 4 + len(core))
-            assert core <= set(idx.tolist()) and len(idx) == 4 + b
-            for i, w in zip(idx.tolist(), logw.double().tolist()):
-                if i in core or i >= 46:
-                    assert w == 0.0
-                else:
-                    assert w == pytest.approx(-math.log(float(P[i])), rel=1e-5, abs=1e-6)
-            differs |= not torch.equal(logw, own.head(h)[1])
+            assert_core_then_pps(sel.head(h), core, tail_pi[h].double(), forced=4, sampled=b)
+            differs |= not torch.equal(sel.head(h)[1], own.head(h)[1])
     assert differs
 
 
