@@ -14,11 +14,13 @@ import copy
 import pytest
 import torch
 
+from probkv.calibration import calibrated_selection, reference_stride
 from probkv.hf import (
     EvictingLayer,
     ProbKVCache,
     RepeatPrompt,
     answer,
+    capture_attention,
     compress,
     observe,
     prepare_model,
@@ -176,7 +178,14 @@ def test_one_pass_gives_every_reconstruction_score(tiny):
 
 @pytest.mark.parametrize(
     "method",
-    ["kvzip", "ada_kvzip", "prob:kvzip", "prob:min-rec/scope=global", "prob:kvzip/tail=h2o-rec"],
+    [
+        "kvzip",
+        "ada_kvzip",
+        "prob:kvzip",
+        "prob:min-rec/scope=global",
+        "prob:kvzip/tail=h2o-rec",
+        "prob:kvzip/calibrate=0.01",
+    ],
 )
 def test_observe_then_evict_equals_compress(tiny, method):
     """One pass for many policies (the evaluation's shared prefill): an observed copy evicts
@@ -192,11 +201,73 @@ def test_observe_then_evict_equals_compress(tiny, method):
         a, b = direct.layers[i].prefix, shared.layers[i].prefix
         assert a.lengths == b.lengths
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        assert (a.log_weights is None) == (b.log_weights is None)
+        if a.log_weights is not None:
+            assert torch.equal(a.log_weights, b.log_weights)
     question = context_ids(model, 4, seed=3)
     assert torch.equal(
         answer(model, direct, question, max_new_tokens=4),
         answer(model, shared, question, max_new_tokens=4),
     )
+
+
+def test_reference_queries_are_every_kth_row_of_the_pass(tiny):
+    """S9: the observation's reference queries are the reconstruction queries at global rows
+    0, k, 2k, ... of the pass (k = reference_stride of its rows). Oracle: each chunk's queries
+    from a dense forward over context + chunk (the same positions and causal context)."""
+    model = tiny
+    ids = context_ids(model, 150)  # more rows than DEFAULT_REFERENCE_ROWS
+    chunks = reconstruction_chunks(
+        ids[0].tolist(),
+        first=PROMPT.first,
+        later=PROMPT.later,
+        suffix=PROMPT.suffix,
+        context_start=PROMPT.context_start(ids[0].tolist()),
+        chunk_tokens=40,
+    )
+    rows = {}
+    for chunk in chunks:
+        full = torch.cat([ids, torch.tensor([chunk.input_ids])], dim=1)
+        captures = capture_attention(model, full)
+        for i, c in enumerate(captures):
+            rows.setdefault(i, []).append(c.query[:, ids.shape[1] :])
+    every = reference_stride(sum(len(c.input_ids) for c in chunks))
+    assert every > 1  # several rows skipped: the stride is really exercised
+    cache = observe(model, ids, "kvzip", {"chunk_tokens": 40}, repeat_prompt=PROMPT)
+    for i in cache.evicting_layers:
+        obs = cache.layers[i].observation
+        want = torch.cat(rows[i], dim=1)[:, ::every]
+        assert obs.scale == captures[i].scale
+        torch.testing.assert_close(obs.reference_queries, want.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_calibrated_eviction_keeps_the_designs_entries_with_fitted_weights(tiny):
+    """S9: calibrate changes the weights only; they are calibrated_selection of the design's
+    selection on the layer's entries before eviction."""
+    model = tiny
+    ids = context_ids(model, 40)
+    observed = observe(model, ids, "kvzip", {"chunk_tokens": 12}, repeat_prompt=PROMPT)
+    plain, fitted = observed.copy(), observed.copy()
+    policy = parse_method("prob:kvzip/calibrate=0.05", ratio=0.5)
+    layers = [observed.layers[i] for i in observed.evicting_layers]
+    design = parse_method("prob:kvzip", ratio=0.5).select(
+        [layer.observation for layer in layers], num_layers=len(layers)
+    )
+    plain.evict(parse_method("prob:kvzip", ratio=0.5))
+    fitted.evict(policy)
+    for layer, sel, i in zip(layers, design, observed.evicting_layers):
+        a, b = plain.layers[i].prefix, fitted.layers[i].prefix
+        assert a.lengths == b.lengths and torch.equal(a.keys, b.keys)
+        want = calibrated_selection(
+            sel,
+            layer.tail_keys[0],
+            layer.tail_values[0],
+            layer.observation.reference_queries,
+            scale=layer.observation.scale,
+            strength=0.05,
+        )
+        torch.testing.assert_close(b.log_weights, want.log_weights, rtol=0, atol=0)
+        assert not torch.equal(a.log_weights, b.log_weights)
 
 
 def test_kvzip_evicts_with_one_global_budget(tiny):

@@ -1025,3 +1025,42 @@ def test_tail_names_and_refusals():
     bare = synthetic(torch.randn(2, 30, generator=gen(3)))
     with pytest.raises(ValueError, match="tail='h2o-rec': layer 0's observation has no"):
         policy.select([bare], num_layers=1)
+
+
+# ------------------------------------------------------------- calibrated weights (S9)
+
+
+def test_calibrate_names_and_refusals():
+    """``calibrate`` (S9): its canonical name, inf as the default, and refusals by name."""
+    policy = parse_method("prob:kvzip/calibrate=0.01", ratio=0.5)
+    assert policy.calibrates and method_name(policy) == "prob:kvzip/calibrate=0.01"
+    assert parse_method("prob:kvzip/calibrate=inf", 0.5) == parse_method("prob:kvzip", 0.5)
+    assert not parse_method("prob:kvzip", 0.5).calibrates
+    assert not parse_method("prob:kvzip/calibrate=0.01", 0.0).calibrates  # r = 0: exact
+    for bad in (0, -1.0, float("nan"), "much"):
+        with pytest.raises(ValueError, match=r"calibrate must be a number > 0"):
+            ProbabilisticPolicy(score="kvzip", calibrate=bad)
+    with pytest.raises(ValueError, match=r"calibrate=0.01 with score='h2o': .*kvzip, h2o-rec"):
+        ProbabilisticPolicy(score="h2o", calibrate=0.01)
+    for options in ({"correct": False}, {"tau": math.inf}):
+        with pytest.raises(ValueError, match=r"calibrate=0.01 calibrates the correction"):
+            ProbabilisticPolicy(score="kvzip", calibrate=0.01, **options)
+
+
+def test_calibrated_selections_need_tensors_and_reference_queries():
+    from probkv.policies import select_layers
+
+    policy = parse_method("prob:kvzip/calibrate=0.01", ratio=0.5)
+    bare = synthetic(torch.randn(2, 30, generator=gen(3)))
+    with pytest.raises(ValueError, match=r"select_layers needs tensors, one \(key, value\)"):
+        select_layers(policy, [bare], num_layers=1)
+    key = torch.randn(2, 30, 4, generator=gen(4))
+    with pytest.raises(ValueError, match="layer 0's observation has no reference queries"):
+        select_layers(policy, [bare], num_layers=1, tensors=[(key, key)])
+    with_rows = dataclasses.replace(bare, reference_queries=torch.randn(4, 5, 4), scale=0.5)
+    with pytest.raises(ValueError, match="needs the 30 observed entries before eviction"):
+        select_layers(policy, [with_rows], num_layers=1, tensors=[(key[:, :20], key[:, :20])])
+    out = select_layers(policy, [with_rows], num_layers=1, tensors=[(key, key)])[0]
+    plain = parse_method("prob:kvzip", ratio=0.5).select([with_rows], num_layers=1)[0]
+    assert torch.equal(out.indices, plain.indices) and torch.equal(out.lengths, plain.lengths)
+    assert not torch.equal(out.log_weights, plain.log_weights)

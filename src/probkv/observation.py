@@ -41,6 +41,10 @@ class LayerObservation:
     # The other scores the same statistics give, by name (the reconstruction scores of one
     # pass, S10.1): a pps policy's ``tail`` draws its sampled stratum from one of them (S10.2).
     related_log_scores: dict[str, torch.Tensor] = field(default_factory=dict)
+    # A sample of plausible future queries (the reconstruction rows, S10.1) and the logit
+    # scale, for calibrated weights (S9, probkv.calibration); None when not observed.
+    reference_queries: torch.Tensor | None = None  # [Hq, m, d] post-RoPE
+    scale: float | None = None
 
     @property
     def num_heads(self) -> int:

@@ -110,6 +110,9 @@ class ReconstructionStats:
     ``rows``: ``|R|``, the reconstruction queries counted (per query head).
     ``context_start``: entries before it were not reconstructed (the template's opening).
     ``chunk_tokens``: the chunk length the statistics were computed with.
+    ``reference_queries``: ``[Hq, m, d]`` float32, a sample of the reconstruction queries
+    themselves (post-RoPE; ``add_reference_queries``), for calibrated weights (S9,
+    ``probkv.calibration``); ``None`` until rows are added.
     """
 
     max_attention: torch.Tensor
@@ -117,6 +120,7 @@ class ReconstructionStats:
     rows: int = 0
     context_start: int = 0
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    reference_queries: torch.Tensor | None = None
 
     @classmethod
     def empty(
@@ -156,6 +160,16 @@ class ReconstructionStats:
         torch.maximum(self.max_attention, max_attention.float(), out=self.max_attention)
         self.sum_attention += sum_attention.to(torch.float64)
         self.rows += check_positive_int(rows, "rows")
+
+    def add_reference_queries(self, queries: torch.Tensor) -> None:
+        """Append reconstruction query rows ``[Hq, k, d]`` to ``reference_queries``."""
+        hq = self.sum_attention.shape[0]
+        if queries.ndim != 3 or queries.shape[0] != hq:
+            raise ValueError(f"queries must be [{hq}, k, d], got {tuple(queries.shape)}")
+        rows = queries.detach().to(torch.float32, copy=True)  # never a view of the chunk
+        if self.reference_queries is not None:
+            rows = torch.cat([self.reference_queries, rows], dim=1)
+        self.reference_queries = rows
 
     def mean_attention(self) -> torch.Tensor:
         """``[Hq, t]`` float64: ``(1/|R|) sum_u p_u^q(i)`` (S10.1)."""

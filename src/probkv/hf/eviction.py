@@ -27,8 +27,11 @@ def evict_layers(policy: EvictionPolicy, layers: Sequence, *, num_layers: int) -
     budget = layers[0].decode_budget if layers else None
     if budget is not None:
         policy = budget.prompt_policy(policy, layers[0].observation.length)
+    tensors = None
+    if policy.calibrates:  # S9: weights fitted on the layers' entries before eviction
+        tensors = [(layer.tail_keys[0], layer.tail_values[0]) for layer in layers]
     selections = select_layers(
-        policy, [layer.observation for layer in layers], num_layers=num_layers
+        policy, [layer.observation for layer in layers], num_layers=num_layers, tensors=tensors
     )
     for layer, selection in zip(layers, selections, strict=True):
         apply_selection(layer, selection, policy)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from probkv import scores as score_fns
+from probkv.calibration import reference_stride
 from probkv.hf.cache import EvictingLayer, LayerState
 from probkv.observation import LayerObservation
 from probkv.reconstruction import (
@@ -114,9 +115,11 @@ class LayerScoring:
     """An evicting layer's state during the pass (``EvictingLayer.scoring``): the
     chunk's own keys and values, set by ``update`` and never stored, and the statistics."""
 
-    def __init__(self, context_start: int, chunk_tokens: int) -> None:
+    def __init__(self, context_start: int, chunk_tokens: int, reference_every: int = 1) -> None:
         self.context_start = context_start
         self.chunk_tokens = chunk_tokens
+        self.reference_every = reference_every  # keep every k-th row as a reference query (S9)
+        self.rows_seen = 0
         self.stats: ReconstructionStats | None = None
         self.scale: float | None = None
         self.keys: torch.Tensor | None = None  # [1, Hkv, n, d], the current chunk's
@@ -145,6 +148,11 @@ class LayerScoring:
             )
             self.scale = scale
         self.stats.add(max_attention, sum_attention, query.shape[1])
+        n = query.shape[1]
+        first = (-self.rows_seen) % self.reference_every  # rows at global index 0, k, 2k, ...
+        if first < n:
+            self.stats.add_reference_queries(query[:, first :: self.reference_every])
+        self.rows_seen += n
         return out
 
 
@@ -189,7 +197,10 @@ def reconstruct(
         context_start=start,
         chunk_tokens=chunk_tokens,
     )
-    scorings = [LayerScoring(start, chunk_tokens) for _ in layers]
+    # calibrated weights (S9) fit to about DEFAULT_REFERENCE_ROWS rows per query head, evenly
+    # spread over the pass
+    every = reference_stride(sum(len(c.input_ids) for c in chunks))
+    scorings = [LayerScoring(start, chunk_tokens, every) for _ in layers]
     for chunk in chunks:
         _run_chunk(model, cache, layers, scorings, chunk.input_ids, context_ids.device)
     for layer, scoring in zip(layers, scorings):
@@ -220,6 +231,8 @@ def reconstruct(
                     for name, other in computed.items()
                     if name != cache.policy.score
                 },
+                reference_queries=scoring.stats.reference_queries,
+                scale=scoring.scale,
             )
         )
 

@@ -61,18 +61,49 @@ class EvictionPolicy(ABC):
     ) -> list[RaggedSelection]:
         """One selection per observation. ``num_layers`` is the number of evicting layers."""
 
+    @property
+    def calibrates(self) -> bool:
+        """True when the kept entries' weights are then fitted to reference queries (S9,
+        ``probkv.calibration``), which needs each layer's keys and values."""
+        return False
+
+    def calibrated_selections(
+        self,
+        selections: Sequence[RaggedSelection],
+        observations: Sequence[LayerObservation],
+        tensors: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    ) -> list[RaggedSelection]:
+        """The selections with calibrated weights (only policies that ``calibrates``)."""
+        return list(selections)
+
 
 def select_layers(
-    policy: EvictionPolicy, observations: Sequence[LayerObservation], *, num_layers: int
+    policy: EvictionPolicy,
+    observations: Sequence[LayerObservation],
+    *,
+    num_layers: int,
+    tensors: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> list[RaggedSelection]:
     """What ``policy`` keeps of these observed layers: the one entry point every eviction
     goes through (the integration at prefill and in ``ProbKVCache.evict``, the attention-error
     experiment). A ``layerwise`` policy selects one layer at a time, as during prefill (same
     random draws whether the layers come one by one or together); any other sees them all at
-    once (S3 global scope). ``num_layers``: the number of evicting layers of the model."""
+    once (S3 global scope). ``num_layers``: the number of evicting layers of the model.
+    ``tensors``: each layer's ``(key, value)`` ``[Hkv, t, d]`` before eviction, needed by a
+    policy that ``calibrates`` its weights (S9)."""
     if policy.layerwise:
-        return [policy.select([obs], num_layers=num_layers)[0] for obs in observations]
-    return policy.select(list(observations), num_layers=num_layers)
+        selections = [policy.select([obs], num_layers=num_layers)[0] for obs in observations]
+    else:
+        selections = policy.select(list(observations), num_layers=num_layers)
+    if not policy.calibrates:
+        return selections
+    if tensors is None or len(tensors) != len(observations):
+        raise ValueError(
+            "this policy calibrates its weights (S9): select_layers needs tensors, one "
+            f"(key, value) per observation ({len(observations)}), got "
+            f"{'none' if tensors is None else len(tensors)}"
+        )
+    return policy.calibrated_selections(selections, observations, tensors)
 
 
 def keep_everything(obs: LayerObservation) -> RaggedSelection:

@@ -20,7 +20,16 @@ from typing import ClassVar
 
 import torch
 
-from probkv import budgets, designs, estimator, proposals, sample_size, sampling, scores
+from probkv import (
+    budgets,
+    calibration,
+    designs,
+    estimator,
+    proposals,
+    sample_size,
+    sampling,
+    scores,
+)
 from probkv._checks import check_choice, check_tau
 from probkv.policies.base import (
     EvictionPolicy,
@@ -143,6 +152,7 @@ class ProbabilisticPolicy(EvictionPolicy):
     pool: int = 1
     coordination: str = "none"
     tail: str | None = None  # None: the sampled stratum is drawn from score's own proposal
+    calibrate: float = math.inf  # S9 ridge of calibrated weights; inf = the design's weights
 
     # Fields whose defaults depend on these (core, block, order, units, tau, uniform_mix on the
     # sampler): method names compare them with the defaults of a policy with the same sampler.
@@ -169,6 +179,63 @@ class ProbabilisticPolicy(EvictionPolicy):
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         self._check_span_options()
+        self._check_calibrate()
+
+    def _check_calibrate(self) -> None:
+        """S9 ``calibrate``: weights fitted to the reconstruction queries, so a reconstruction
+        score and weights to start from."""
+        object.__setattr__(self, "calibrate", calibration.check_strength(self.calibrate))
+        if math.isinf(self.calibrate):
+            return
+        if not scores.needs_reconstruction(self.score):
+            raise ValueError(
+                f"calibrate={self.calibrate!r} with score={self.score!r}: calibrated weights "
+                "fit the reconstruction queries (S10.1), which only the reconstruction scores "
+                f"observe ({', '.join(scores.RECONSTRUCTION_SCORES)})"
+            )
+        if not self.corrected:
+            raise ValueError(
+                f"calibrate={self.calibrate!r} calibrates the correction's weights (S9); it "
+                f"needs correct=True and a finite tau, got correct={self.correct!r}, "
+                f"tau={self.tau!r}"
+            )
+
+    @property
+    def calibrates(self) -> bool:
+        return not math.isinf(self.calibrate) and self.ratio > 0.0
+
+    def calibrated_selections(
+        self,
+        selections: Sequence[RaggedSelection],
+        observations: Sequence[LayerObservation],
+        tensors: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    ) -> list[RaggedSelection]:
+        """S9: each layer's weights fitted to its reference queries (``probkv.calibration``);
+        the kept entries stay the design's."""
+        out = []
+        for sel, obs, (key, value) in zip(selections, observations, tensors, strict=True):
+            if obs.reference_queries is None or obs.scale is None:
+                raise ValueError(
+                    f"calibrate={self.calibrate!r}: layer {obs.layer_idx}'s observation has no "
+                    "reference queries; the reconstruction pass records them (probkv.hf."
+                    "compress or observe)"
+                )
+            if key.shape[-2] != obs.length:
+                raise ValueError(
+                    f"layer {obs.layer_idx}: calibration needs the {obs.length} observed "
+                    f"entries before eviction, got keys of length {key.shape[-2]}"
+                )
+            out.append(
+                calibration.calibrated_selection(
+                    sel,
+                    key,
+                    value,
+                    obs.reference_queries,
+                    scale=obs.scale,
+                    strength=self.calibrate,
+                )
+            )
+        return out
 
     def _fill_sampler_defaults(self) -> None:
         """Options left ``None``: the score's pps design, or ``PLAIN_DEFAULTS`` (S9, S10)."""
