@@ -4,15 +4,17 @@ On SmolLM2-135M with contexts of 2k and 4k tokens this prints, measured side by 
 run (alternating the variants, best of ``--repeats``):
 
 - plain prefill (transformers' SDPA + DynamicCache, logits of the last position only);
-- ``probkv.hf.compress`` with ``kvzip`` at r = 0.5: prefill, the reconstruction pass (one
-  forward per chunk of ``chunk_tokens`` context tokens, each attending to the cache) and the
-  global top-k eviction; and its ratio to the plain prefill (target: <= 3x at 4k);
-- the same with ``snapkv`` for scale.
+- ``probkv.hf.compress`` with ``kvzip`` at r = 0.5 (``--ratios``): prefill, the reconstruction
+  pass (one forward per chunk of ``chunk_tokens`` context tokens, each attending to the cache)
+  and the global top-k eviction; and its ratio to the plain prefill (target: <= 3x at 4k);
+- the same with ``snapkv`` for scale, and any other method of ``--methods`` (e.g.
+  ``prob:kvzip/calibrate=0.01``, whose weight fit after the draw grows with the entries kept
+  per head, so with ``1 - r``).
 
 The pass feeds about ``t`` more tokens through the model, each attending to ``t`` cached
 entries plus its chunk, so about 2-2.5 prefills are expected. Threads: one by default.
 
-    .venv/bin/python benchmarks/bench_kvzip.py [--lengths 2048,4096] [--repeats 2]
+    .venv/bin/python benchmarks/bench_kvzip.py [--lengths 2048,4096] [--ratios 0.5] [--repeats 2]
 """
 
 from __future__ import annotations
@@ -38,10 +40,10 @@ def plain_prefill(model, ids) -> float:
     return time.perf_counter() - start
 
 
-def compressed(model, ids, method: str, prompt) -> float:
+def compressed(model, ids, method: str, prompt, ratio: float) -> float:
     prepare_model(model)
     start = time.perf_counter()
-    compress(model, ids, parse_method(method, 0.5), repeat_prompt=prompt)
+    compress(model, ids, parse_method(method, ratio), repeat_prompt=prompt)
     return time.perf_counter() - start
 
 
@@ -52,6 +54,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="repeats (best of)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--methods", default="kvzip,snapkv")
+    parser.add_argument("--ratios", default="0.5", help="compression ratios, comma-separated")
     parser.add_argument(
         "--dtype", choices=DTYPE_CHOICES, default="auto", help="model dtype (probkv.dtypes)"
     )
@@ -60,6 +63,8 @@ def main() -> None:
     model, tokenizer = load_model(args.model, dtype=resolve_dtype(args.dtype))
     prompt = repeat_prompt(tokenizer)
     methods = args.methods.split(",")
+    ratios = [float(r) for r in args.ratios.split(",")]
+    runs = [(m, r) for m in methods for r in ratios]
     print(
         f"model {args.model}, torch threads {torch.get_num_threads()}, "
         f"{resolve_dtype_name(args.dtype)} (--dtype {args.dtype}), batch 1"
@@ -70,15 +75,16 @@ def main() -> None:
         best: dict[str, float] = {}
         for _ in range(args.repeats):  # alternate the variants so machine noise hits them alike
             best["plain"] = min(best.get("plain", float("inf")), plain_prefill(model, ids))
-            for method in methods:
-                seconds = compressed(model, ids, method, prompt)
-                best[method] = min(best.get(method, float("inf")), seconds)
+            for method, ratio in runs:
+                seconds = compressed(model, ids, method, prompt, ratio)
+                best[(method, ratio)] = min(best.get((method, ratio), float("inf")), seconds)
         plain = best["plain"]
         print(f"\n== context {t} tokens ==\nplain prefill (sdpa, full cache): {plain:.2f} s")
-        for method in methods:
+        for method, ratio in runs:
+            seconds = best[(method, ratio)]
             print(
-                f"  {method:10s} prefill+scoring+evict {best[method]:7.2f} s   "
-                f"ratio {best[method] / plain:.2f}x"
+                f"  {method:10s} r = {ratio:<4g} prefill+scoring+evict {seconds:7.2f} s   "
+                f"ratio {seconds / plain:.2f}x"
             )
 
 
