@@ -25,6 +25,7 @@ import time
 import torch
 from transformers import DynamicCache
 
+from probkv.cli_args import ratio_list
 from probkv.dtypes import DTYPE_CHOICES, resolve_dtype, resolve_dtype_name
 from probkv.hf import compress, prepare_model, repeat_prompt
 from probkv.models import load_model
@@ -54,7 +55,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="repeats (best of)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--methods", default="kvzip,snapkv")
-    parser.add_argument("--ratios", default="0.5", help="compression ratios, comma-separated")
+    parser.add_argument(
+        "--ratios", type=ratio_list, default=[0.5], help="compression ratios, comma-separated"
+    )
     parser.add_argument(
         "--dtype", choices=DTYPE_CHOICES, default="auto", help="model dtype (probkv.dtypes)"
     )
@@ -63,8 +66,7 @@ def main() -> None:
     model, tokenizer = load_model(args.model, dtype=resolve_dtype(args.dtype))
     prompt = repeat_prompt(tokenizer)
     methods = args.methods.split(",")
-    ratios = [float(r) for r in args.ratios.split(",")]
-    runs = [(m, r) for m in methods for r in ratios]
+    runs = [(m, r) for m in methods for r in args.ratios]
     print(
         f"model {args.model}, torch threads {torch.get_num_threads()}, "
         f"{resolve_dtype_name(args.dtype)} (--dtype {args.dtype}), batch 1"
@@ -72,13 +74,13 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     for t in (int(x) for x in args.lengths.split(",")):
         ids = torch.randint(100, model.config.vocab_size - 100, (1, t), generator=gen)
-        best: dict[str, float] = {}
+        plain = float("inf")
+        best: dict[tuple[str, float], float] = {}
         for _ in range(args.repeats):  # alternate the variants so machine noise hits them alike
-            best["plain"] = min(best.get("plain", float("inf")), plain_prefill(model, ids))
+            plain = min(plain, plain_prefill(model, ids))
             for method, ratio in runs:
                 seconds = compressed(model, ids, method, prompt, ratio)
                 best[(method, ratio)] = min(best.get((method, ratio), float("inf")), seconds)
-        plain = best["plain"]
         print(f"\n== context {t} tokens ==\nplain prefill (sdpa, full cache): {plain:.2f} s")
         for method, ratio in runs:
             seconds = best[(method, ratio)]
