@@ -19,6 +19,7 @@ from probkv.policies import (
     method_names,
     method_options,
     parse_method,
+    top_k_versions,
 )
 from probkv.scores import SCORE_NAMES, needs_reconstruction
 
@@ -442,6 +443,22 @@ def test_kvzip_names():
         ValueError, match="layer_budgets must be one of 'uniform', 'pyramid', 'global'"
     ):
         parse_method("snapkv/layer_budgets=all")
+
+
+def test_top_k_versions_are_the_top_k_policies_of_the_same_score():
+    """A prob: method's top-k versions parse to top-k policies of its score; the canonical
+    name comes first, the named method of the score (kvzip: global budget) after."""
+    assert top_k_versions("prob:kvzip/core=0.75") == ["topk:kvzip", "kvzip"]
+    assert top_k_versions("prob:h2o") == ["h2o", "topk:h2o"]
+    assert top_k_versions("prob:min-h/seed=2") == ["topk:min-h"]
+    for name in ("kvzip", "topk:tova", "full", "pyramidkv"):
+        assert top_k_versions(name) == []
+    for score in SCORE_NAMES:
+        for version in top_k_versions(f"prob:{score}"):
+            policy = parse_method(version)
+            assert isinstance(policy, TopKPolicy) and policy.score == score
+    with pytest.raises(ValueError, match="unknown method 'prob'"):
+        top_k_versions("prob")
 
 
 def test_prob_block_defaults_follow_the_score_and_the_sampler():

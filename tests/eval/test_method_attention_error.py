@@ -175,7 +175,6 @@ def test_mean_over_examples_counts_wins_against_the_top_k_version():
     assert (summary["prob:tova"]["reference"], summary["prob:tova"]["lower"]) == ("topk:tova", 1)
     assert summary["prob:knorm"]["reference"] is None  # its top-k version did not run
     assert summary["kvzip"]["reference"] is None
-    assert mae.top_k_versions("prob:kvzip/core=0.75") == ["topk:kvzip", "kvzip"]
 
 
 def test_cli_end_to_end_on_a_tiny_model_folder(tmp_path, capsys):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -12,8 +13,10 @@ from probkv.eval.winscore import (
     average_total_score,
     average_total_scores,
     example_ranks,
+    head_to_head,
     kept_of_full,
     score_table,
+    sign_test_p,
     task_averages,
     win_scores,
     win_scores_per_task,
@@ -174,3 +177,85 @@ def test_kept_of_full_is_a_share_and_full_keeps_all(pairs):
         assert 0.0 <= out["kept"] <= 1.0 + 1e-12
         assert kept_of_full(full, full)["kept"] == pytest.approx(1.0)
     assert out["below"] + out["above"] <= out["examples"] == len(pairs)
+
+
+def _sign_test_by_enumeration(wins: int, losses: int) -> float:
+    """Slow reference: walk all 2^n equally likely sign sequences and count those at least as
+    far from n / 2 as the one observed."""
+    n = wins + losses
+    far = abs(wins - n / 2)
+    hits = sum(1 for bits in itertools.product((0, 1), repeat=n) if abs(sum(bits) - n / 2) >= far)
+    return hits / 2**n
+
+
+@pytest.mark.parametrize("n", range(13))
+def test_sign_test_equals_the_enumeration_of_every_sign_sequence(n):
+    for wins in range(n + 1):
+        p = sign_test_p(wins, n - wins)
+        assert p == pytest.approx(_sign_test_by_enumeration(wins, n - wins), abs=1e-15)
+
+
+def test_sign_test_known_values_and_limits():
+    assert sign_test_p(0, 0) == 1.0
+    assert sign_test_p(5, 5) == 1.0
+    assert sign_test_p(10, 0) == 2 / 2**10
+    assert sign_test_p(0, 1) == 1.0  # one sign says nothing
+    # large n: no float overflow, and a lopsided count is tiny
+    assert 0.0 < sign_test_p(400, 600) < 1e-9
+    for bad in (-1, 1.5, True, "3"):
+        with pytest.raises(ValueError, match="wins must be an integer >= 0"):
+            sign_test_p(bad, 3)
+
+
+@given(st.integers(0, 200), st.integers(0, 200))
+@settings(max_examples=200, deadline=None)
+def test_sign_test_is_symmetric_and_grows_towards_a_tie(wins, losses):
+    p = sign_test_p(wins, losses)
+    assert 0.0 < p <= 1.0
+    assert p == sign_test_p(losses, wins)
+    if wins > losses:  # one more win moved to a loss brings the count nearer a tie
+        assert sign_test_p(wins - 1, losses + 1) >= p
+
+
+def test_head_to_head_by_hand():
+    table = {
+        "t1": {"a": {"A": 1.0, "B": 0.0, "C": 1.0}, "b": {"A": 0.5, "B": 0.5, "C": 0.0}},
+        "t2": {"c": {"A": 0.0, "B": 1.0, "C": 0.0}, "d": {"A": 1.0, "B": 0.0, "C": 0.0},
+               "e": {"A": 1.0, "B": 0.0, "C": 1.0}},
+    }  # fmt: skip
+    h = head_to_head(table, "A", "B")
+    assert {k: h[k] for k in ("examples", "won", "lost", "tied")} == {
+        "examples": 5, "won": 3, "lost": 1, "tied": 1,
+    }  # fmt: skip
+    assert h["p"] == pytest.approx(10 / 16)  # P(X <= 1) * 2 for n = 4
+    # ranked alone (C ignored): t1 A 2/2, B 1/2; t2 A 2/3, B 1/3 -> means over tasks
+    assert h["win_score"] == pytest.approx((1 + 2 / 3) / 2)
+    assert h["reference_win_score"] == pytest.approx((0.5 + 1 / 3) / 2)
+    with pytest.raises(ValueError, match="two different methods"):
+        head_to_head(table, "A", "A")
+    with pytest.raises(ValueError, match=r"\['D'\] not in the score table"):
+        head_to_head(table, "A", "D")
+
+
+_pair_tables = st.dictionaries(
+    st.sampled_from(["t1", "t2", "t3"]),
+    st.lists(st.tuples(st.sampled_from([0.0, 0.5, 1.0]), st.sampled_from([0.0, 0.5, 1.0])),
+             min_size=1, max_size=6),
+    min_size=1,
+)  # fmt: skip
+
+
+@given(_pair_tables)
+@settings(max_examples=100, deadline=None)
+def test_pair_win_score_difference_is_the_task_weighted_won_lost_margin(rows):
+    """Ranked alone, A's win score minus B's is the mean over tasks of (won - lost) / examples:
+    so A's win score >= B's exactly when that margin is >= 0."""
+    table = {
+        t: {f"{t}{i}": {"A": a, "B": b} for i, (a, b) in enumerate(r)} for t, r in rows.items()
+    }
+    h = head_to_head(table, "A", "B")
+    margin = sum(
+        (sum(a > b for a, b in r) - sum(a < b for a, b in r)) / len(r) for r in rows.values()
+    ) / len(rows)
+    assert h["win_score"] - h["reference_win_score"] == pytest.approx(margin, abs=1e-12)
+    assert h["won"] + h["lost"] + h["tied"] == h["examples"] == sum(len(r) for r in rows.values())

@@ -44,6 +44,7 @@ from probkv.policies import (
     ProbabilisticPolicy,
     method_name,
     parse_method,
+    top_k_versions,
 )
 
 PARTS = ("question", "answer", "all")
@@ -200,7 +201,7 @@ def measure_method_errors(
 def mean_over_examples(rows: Sequence[dict]) -> list[dict]:
     """Per (method, ratio, part): the mean of ``mae_mean`` over examples, with the number of
     examples and of wins (``lower``) against the method's top-k version where both ran (a
-    ``prob:<score>...`` method against ``topk:<score>`` or the named method ``<score>``)."""
+    ``prob:<score>...`` method against ``probkv.policies.top_k_versions``, the first that ran)."""
     by: dict[tuple, dict[str, float]] = {}
     for row in rows:
         by.setdefault((row["method"], row["ratio"], row["part"]), {})[row["example"]] = row[
@@ -228,12 +229,3 @@ def mean_over_examples(rows: Sequence[dict]) -> list[dict]:
                 break
         out.append(summary)
     return out
-
-
-def top_k_versions(method: str) -> list[str]:
-    """Names of the top-k version of a ``prob:`` method (``prob:kvzip/core=0.75`` ->
-    ``topk:kvzip``, ``kvzip``); none for other methods."""
-    if not method.startswith("prob:"):
-        return []
-    score = method[len("prob:") :].split("/", 1)[0]
-    return [f"topk:{score}", score]

@@ -19,7 +19,14 @@ from typing import Any
 
 from probkv.eval.config import FULL, RunConfig
 from probkv.eval.store import SUMMARY_JSON, SUMMARY_MD, check_row, write_atomic
-from probkv.eval.winscore import average_total_score, kept_of_full, score_table, win_scores
+from probkv.eval.winscore import (
+    average_total_score,
+    head_to_head,
+    kept_of_full,
+    score_table,
+    win_scores,
+)
+from probkv.policies import top_k_versions
 
 _SUMMARY_KEYS = ("effective_ratio", "cache_bytes", "prefill_s", "decode_s")
 
@@ -60,6 +67,10 @@ def summarize(
       scored below / above it);
     - ``win_scores``: per ratio, the win score (S7) of each eviction method on the examples
       every eviction method finished at that ratio (``full`` excluded; needs 2 methods);
+    - ``head_to_head``: per ratio, each ``prob:`` method against each of its top-k versions
+      that ran at that ratio (``probkv.policies.top_k_versions``), on the examples both
+      finished (``winscore.head_to_head``: won / lost / tied, sign test, the pair's win
+      scores);
     - ``layers``: per (method, ratio) the mean and std over examples of each evicting layer's
       effective ratio (the paper's Figure 9).
     """
@@ -123,6 +134,25 @@ def summarize(
             continue
         table = score_table(r for m in ranked for r in groups[(m, ratio)] if r["id"] in common)
         win.append({"ratio": ratio, "num_examples": len(common), "scores": win_scores(table)})
+    pairs = []
+    for method in methods:
+        for reference in _top_k_versions(method):
+            for ratio in sorted({k[1] for k in groups if k[0] == method}):
+                if (reference, ratio) not in groups:
+                    continue
+                mine = {r["id"]: r for r in groups[(method, ratio)]}
+                common = [r for r in groups[(reference, ratio)] if r["id"] in mine]
+                if not common:
+                    continue
+                table = score_table([*common, *(mine[r["id"]] for r in common)])
+                pairs.append(
+                    {
+                        "method": method,
+                        "reference": reference,
+                        "ratio": ratio,
+                        **head_to_head(table, method, reference),
+                    }
+                )
     layers = []
     for (method, ratio), group in groups.items():
         per_layer: dict[int, list[float]] = {}
@@ -155,8 +185,18 @@ def summarize(
         "complete": len(rows) >= total,
         "entries": entries,
         "win_scores": win,
+        "head_to_head": pairs,
         "layers": layers,
     }
+
+
+def _top_k_versions(method: str) -> list[str]:
+    """``probkv.policies.top_k_versions``, or none for a name this probkv cannot parse (a
+    results file of another version must still summarise)."""
+    try:
+        return top_k_versions(method)
+    except ValueError:
+        return []
 
 
 def _fmt(value: float | None, digits: int = 3) -> str:
@@ -240,6 +280,22 @@ def summary_markdown(summary: Mapping[str, Any]) -> str:
             ]
         )
         lines += _table(["method", *(f"r = {r:g}" for r in ratios)], body)
+    if summary.get("head_to_head"):
+        lines += ["", "## `prob:` methods against their top-k", ""]
+        lines += [
+            "Examples won-lost (ties left out) against the top-k version of the same score, on "
+            "the examples both finished; p: exact two-sided sign test of a tie; then the win "
+            "scores of the two ranked alone (method / top-k).",
+            "",
+        ]
+        cells: dict[tuple[str, str], dict[float, str]] = {}
+        for h in summary["head_to_head"]:
+            cells.setdefault((h["method"], h["reference"]), {})[h["ratio"]] = (
+                f"+{h['won']}-{h['lost']} (p = {h['p']:.2g}; "
+                f"{_fmt(h['win_score'])} / {_fmt(h['reference_win_score'])})"
+            )
+        body = [[m, ref, *(c.get(r, "—") for r in ratios)] for (m, ref), c in cells.items()]
+        lines += _table(["method", "top-k", *(f"r = {r:g}" for r in ratios)], body)
     if any("kept_of_full" in e for e in summary["entries"]):  # runs with `full`
         kept = [m for m in methods if m != FULL]
         lines += ["", "## Answers kept of the full cache's", ""]

@@ -27,6 +27,13 @@ over the examples both have, ``f`` the full cache's score: the share of what the
 answers with its whole cache that it still answers after eviction. An example that eviction
 gets right and the full cache gets wrong (luck: the evicted prompt reads differently) adds
 nothing, where it lifts the average score and the win score; such examples are counted apart.
+
+**Head to head** (not in the paper). Two methods on the examples both have: examples won,
+lost and tied, the win score of the two ranked alone, and an exact two-sided sign test of
+"neither is better" (ties dropped). Ranked alone, ``A``'s win score minus ``B``'s is the
+task-weighted mean of ``(won - lost) / examples``, so "A's win score >= B's" (issue 10's
+second bar) is a statement about the won-lost count, and the sign test says whether that
+count is more than the noise of a tie.
 """
 
 from __future__ import annotations
@@ -169,6 +176,50 @@ def score_table(
             )
         scores[method] = _check_score(value, f"row {i}")
     return table
+
+
+def sign_test_p(wins: int, losses: int) -> float:
+    """Exact two-sided sign test: ``P(|X - n/2| >= |wins - n/2|)`` for ``X ~ Binomial(n, 1/2)``,
+    ``n = wins + losses`` (ties dropped beforehand), i.e. ``min(1, 2 P(X <= min(wins,
+    losses)))``; 1 when ``n = 0``. Integer arithmetic, exact for any ``n``."""
+    for value, name in ((wins, "wins"), (losses, "losses")):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+    n, k = wins + losses, min(wins, losses)
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(k + 1))
+    return min(1.0, 2 * tail / 2**n)
+
+
+def head_to_head(table: ScoreTable, method: str, reference: str) -> dict[str, Any]:
+    """``method`` against ``reference`` on every example of ``table`` (module note).
+
+    Returns ``examples``, ``won`` / ``lost`` / ``tied`` (examples where ``method`` scored
+    above / below / equal to ``reference``), ``p`` (:func:`sign_test_p` of won, lost) and
+    ``win_score`` / ``reference_win_score`` (:func:`win_scores` of the two ranked alone)."""
+    if method == reference:
+        raise ValueError(f"head to head needs two different methods, got {method!r} twice")
+    methods = _check_table(table)
+    missing = [m for m in (method, reference) if m not in methods]
+    if missing:
+        raise ValueError(f"method(s) {missing} not in the score table; it has {list(methods)}")
+    pair = {
+        task: {e: {m: s[m] for m in (method, reference)} for e, s in examples.items()}
+        for task, examples in table.items()
+    }
+    diffs = [s[method] - s[reference] for ex in pair.values() for s in ex.values()]
+    won, lost = sum(d > 0 for d in diffs), sum(d < 0 for d in diffs)
+    win = win_scores(pair)
+    return {
+        "examples": len(diffs),
+        "won": won,
+        "lost": lost,
+        "tied": len(diffs) - won - lost,
+        "p": sign_test_p(won, lost),
+        "win_score": win[method],
+        "reference_win_score": win[reference],
+    }
 
 
 def kept_of_full(scores: Mapping[str, float], full: Mapping[str, float]) -> dict[str, Any]:

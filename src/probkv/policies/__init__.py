@@ -13,6 +13,7 @@ from probkv.policies.registry import (
     method_names,
     method_options,
     parse_method,
+    top_k_versions,
 )
 from probkv.policies.topk import TopKPolicy
 
@@ -28,4 +29,5 @@ __all__ = [
     "method_options",
     "parse_method",
     "select_layers",
+    "top_k_versions",
 ]

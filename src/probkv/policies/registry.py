@@ -81,6 +81,23 @@ def method_names() -> list[str]:
     return names
 
 
+def top_k_versions(method: str) -> list[str]:
+    """Canonical names of the top-k versions of a ``prob:`` method, the ones its defaults are
+    measured against (issue 10's second bar): the canonical name of ``topk:<score>``, that
+    name as written, and the named method of the score when it is another top-k of it
+    (``prob:kvzip/core=0.75`` -> ``topk:kvzip``, ``kvzip``, whose budget is global as
+    ``prob:kvzip``'s; ``prob:h2o`` -> ``h2o``, ``topk:h2o``). Empty for other methods; an
+    unknown name is a ``ValueError`` as in :func:`parse_method`."""
+    policy = parse_method(method)
+    if not isinstance(policy, ProbabilisticPolicy):
+        return []
+    canonical = method_name(TopKPolicy(ratio=policy.ratio, score=policy.score))
+    candidates = [canonical, f"topk:{policy.score}"]
+    if policy.score in NAMED_METHODS:
+        candidates.append(policy.score)
+    return list(dict.fromkeys(candidates))
+
+
 def method_options(name: str) -> list[str]:
     """The option keys base name ``name`` accepts (its policy's fields and score parameters)."""
     cls, fixed = _base(name)
