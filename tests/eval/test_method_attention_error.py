@@ -171,6 +171,8 @@ def test_mean_over_examples_counts_wins_against_the_top_k_version():
     summary = {s["method"]: s for s in mae.mean_over_examples(rows)}
     z = summary["prob:kvzip/core=0.75"]
     assert (z["reference"], z["lower"], z["higher"], z["examples"]) == ("kvzip", 2, 1, 3)
+    assert z["p"] == 1.0  # 2 against 1 is no evidence
+    assert summary["kvzip"]["p"] is None
     assert z["mae_mean"] == pytest.approx(0.4 / 3)
     assert (summary["prob:tova"]["reference"], summary["prob:tova"]["lower"]) == ("topk:tova", 1)
     assert summary["prob:knorm"]["reference"] is None  # its top-k version did not run

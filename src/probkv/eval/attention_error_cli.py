@@ -273,13 +273,14 @@ def ae_prompt(prefilled, fed, example_id: str):
 
 def format_summary(summary: list[dict]) -> str:
     """One line per (method, ratio, part): the mean error over examples and, for a
-    ``prob:`` method, on how many examples it was below / above its top-k version."""
+    ``prob:`` method, on how many examples it was below / above its top-k version (with the
+    sign test of the two)."""
     lines = [f"{'method':<32} {'r':>5} {'part':<9} {'error':>9} {'n':>3}  vs top-k (lower-higher)"]
     for row in sorted(summary, key=lambda r: (r["part"], r["ratio"], r["method"])):
         versus = (
             ""
             if row["reference"] is None
-            else (f"{row['reference']}: {row['lower']}-{row['higher']}")
+            else (f"{row['reference']}: {row['lower']}-{row['higher']} (p = {row['p']:.2g})")
         )
         lines.append(
             f"{row['method']:<32} {row['ratio']:>5.2f} {row['part']:<9} {row['mae_mean']:>9.5f} "

@@ -38,6 +38,7 @@ import torch
 
 from probkv._checks import check_positive_int, check_ratio, check_token_ids
 from probkv.eval.attention_error import evicting_layers
+from probkv.eval.winscore import sign_test_p
 from probkv.policies import (
     EvictionPolicy,
     FullCache,
@@ -200,8 +201,9 @@ def measure_method_errors(
 
 def mean_over_examples(rows: Sequence[dict]) -> list[dict]:
     """Per (method, ratio, part): the mean of ``mae_mean`` over examples, with the number of
-    examples and of wins (``lower``) against the method's top-k version where both ran (a
-    ``prob:<score>...`` method against ``probkv.policies.top_k_versions``, the first that ran)."""
+    examples and of wins (``lower``) and losses (``higher``) against the method's top-k version
+    where both ran (a ``prob:<score>...`` method against ``probkv.policies.top_k_versions``,
+    the first that ran), with the sign test of the two (``p``, ``winscore.sign_test_p``)."""
     by: dict[tuple, dict[str, float]] = {}
     for row in rows:
         by.setdefault((row["method"], row["ratio"], row["part"]), {})[row["example"]] = row[
@@ -218,6 +220,7 @@ def mean_over_examples(rows: Sequence[dict]) -> list[dict]:
             "reference": None,
             "lower": None,
             "higher": None,
+            "p": None,
         }
         for reference in top_k_versions(method):
             other = by.get((reference, ratio, part))
@@ -226,6 +229,7 @@ def mean_over_examples(rows: Sequence[dict]) -> list[dict]:
                 summary["reference"] = reference
                 summary["lower"] = sum(values[e] < other[e] for e in common)
                 summary["higher"] = sum(values[e] > other[e] for e in common)
+                summary["p"] = sign_test_p(summary["lower"], summary["higher"])
                 break
         out.append(summary)
     return out
