@@ -39,7 +39,8 @@ def test_demo_config():
 
 def test_demo_table():
     rows = []
-    for method, score, eff in [("full", 1.0, 0.0), ("snapkv", 0.0, 0.5), ("prob:min-h", 0.5, 0.49)]:
+    cases = [("full", 1.0, 0.0), ("snapkv", 0.0, 0.5), ("prob:min-h", 0.5, 0.49)]
+    for method, score, eff in [*cases, ("prob:snapkv", 1.0, 0.5)]:
         rows.append(
             {
                 "id": "e",
@@ -56,13 +57,16 @@ def test_demo_table():
     table = demo.demo_table(summarize(rows))
     lines = table.splitlines()
     assert lines[0].startswith(
-        "| method | niah_single_1 | average | kept of full | effective r | cache |"
+        "| method | niah_single_1 | average | kept of full | vs top-k | effective r | cache |"
     )
     assert lines[2] == (
-        "| full (no eviction) | 1.00 | 1.000 | — | 0.000 ± 0.000 | 1.0 MiB | 2.0 | 1.0 |"
+        "| full (no eviction) | 1.00 | 1.000 | — | — | 0.000 ± 0.000 | 1.0 MiB | 2.0 | 1.0 |"
     )
-    assert lines[3].startswith("| snapkv | 0.00 | 0.000 | 0% |")
-    assert lines[4] == "| prob:min-h | 0.50 | 0.500 | 50% | 0.490 ± 0.000 | 522.2 KiB | 2.0 | 1.0 |"
+    assert lines[3].startswith("| snapkv | 0.00 | 0.000 | 0% | — |")
+    assert lines[4] == (
+        "| prob:min-h | 0.50 | 0.500 | 50% | — | 0.490 ± 0.000 | 522.2 KiB | 2.0 | 1.0 |"
+    )  # its top-k did not run
+    assert lines[5].startswith("| prob:snapkv | 1.00 | 1.000 | 100% | +1-0 snapkv |")
 
 
 def test_run_demo_on_a_tiny_model(tmp_path, capsys):

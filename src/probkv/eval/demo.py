@@ -80,9 +80,18 @@ def _kept_cell(kept: dict[str, Any] | None) -> str:
     return f"{kept['kept']:.0%}"
 
 
+def _versus_cell(summary: dict[str, Any], method: str, ratio: float) -> str:
+    """``+w-l topk-name`` for a prob: method against its first top-k version that ran."""
+    for h in summary.get("head_to_head", ()):
+        if h["method"] == method and h["ratio"] == ratio:
+            return f"+{h['won']}-{h['lost']} {h['reference']}"
+    return "—"
+
+
 def demo_table(summary: dict[str, Any]) -> str:
     """One Markdown table: per method, the score per task and in total, the share of the full
-    cache's answers kept (``winscore.kept_of_full``), the effective ratio (mean +- std over
+    cache's answers kept (``winscore.kept_of_full``), the examples won-lost against its top-k
+    version (``prob:`` methods whose top-k ran), the effective ratio (mean +- std over
     examples), cache size and times, at the demo's ratio."""
     tasks = list(summary["tasks"])
     header = [
@@ -90,6 +99,7 @@ def demo_table(summary: dict[str, Any]) -> str:
         *tasks,
         "average",
         "kept of full",
+        "vs top-k",
         "effective r",
         "cache",
         "prefill+evict s",
@@ -103,6 +113,7 @@ def demo_table(summary: dict[str, Any]) -> str:
             *(f"{e['task_scores'][t]:.2f}" if t in e["task_scores"] else "—" for t in tasks),
             f"{e['average_total']:.3f}",
             _kept_cell(e.get("kept_of_full")),
+            _versus_cell(summary, e["method"], e["ratio"]),
             f"{e['effective_ratio_mean']:.3f} ± {e['effective_ratio_std']:.3f}",
             format_bytes(e["cache_bytes_mean"]),
             f"{e['prefill_s_mean']:.1f}",
