@@ -91,17 +91,25 @@ def test_gemma3_evicts_only_global_layers_and_matches_at_ratio_zero(gemma3, sdpa
             assert cache.layers[i].physical_length() < ids.shape[1]
 
 
-def test_readme_eviction_example_runs(smollm2, capsys):
-    """The README's "Evicting a cache" block, run as written."""
+def test_readme_examples_run(smollm2, capsys):
+    """The README's three examples (its "Examples" section's python blocks, one after the
+    other in one namespace), run as written."""
     from pathlib import Path
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme.split("## Evicting a cache", 1)[1]
-    example = section.split("```python\n", 1)[1].split("```", 1)[0]
+    section = readme.split("## Examples", 1)[1].split("\n## ", 1)[0]
+    blocks = [part.split("```", 1)[0] for part in section.split("```python\n")[1:]]
+    assert len(blocks) == 3
     namespace: dict = {}
-    exec(compile(example, "README.md", "exec"), namespace)
+    for block in blocks:
+        exec(compile(block, "README.md", "exec"), namespace)
     assert 0.4 < namespace["cache"].effective_ratio() < 0.6
     assert namespace["tokens"].numel() > 0
-    budgeted = namespace["budgeted"]  # the decode budget: never more than B + K per head
+    # the decode budget with a pps design: at most B + K = 272 entries per KV head
+    budgeted = namespace["budgeted"]
+    assert budgeted.layers[budgeted.evicting_layers[0]].decode_state.stages >= 2
     assert max(budgeted.layers[i].physical_length() for i in budgeted.evicting_layers) <= 272
-    assert "layer_idx" in capsys.readouterr().out
+    assert (
+        max(budgeted.layers[i].decode_state.peak_entries for i in budgeted.evicting_layers) <= 272
+    )
+    assert "4172" in capsys.readouterr().out  # the evicted prompt's answer

@@ -701,7 +701,7 @@ def test_gemma3_loads_with_sliding_and_global_layers(gemma3):
     assert "Berlin" in _greedy_answer(model, tokenizer, prompt, max_new_tokens=6)
 
 
-# -- the README and Makefile agree with the registry ---------------------------------------------
+# -- the README, docs and Makefile agree with the registry -----------------------------------------
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -716,9 +716,10 @@ def test_makefile_and_readme_install_every_registry_model():
 
 
 @pytest.mark.slow
-def test_readme_python_example_runs(smollm2, capsys):
-    """The first ```python block of the README, run as written (the model is cached already)."""
-    readme = (ROOT / "README.md").read_text()
-    example = readme.split("```python\n", 1)[1].split("```", 1)[0]
-    exec(compile(example, "README.md", "exec"), {})
+def test_usage_python_example_runs(smollm2, capsys):
+    """The first ```python block of docs/usage.md (loading a model and generating), run as
+    written (the model is cached already)."""
+    usage = (ROOT / "docs" / "usage.md").read_text()
+    example = usage.split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(example, "docs/usage.md", "exec"), {})
     assert "Paris" in capsys.readouterr().out
