@@ -12,6 +12,7 @@ The handlers import the modules that load transformers (the runner, the demo) or
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 import time
 from pathlib import Path
@@ -21,12 +22,13 @@ from probkv.cli_args import (
     add_example_arguments,
     check_example_arguments,
     comma_list,
+    output_path,
     positive_int,
     ratio_list,
 )
 from probkv.eval.config import RunConfig
 from probkv.eval.outputs import check_output_file, check_output_folder
-from probkv.eval.store import SUMMARY_JSON, SUMMARY_MD
+from probkv.eval.store import RESULTS_FILE, SUMMARY_JSON, SUMMARY_MD
 from probkv.eval.summary import summary_markdown
 from probkv.eval.tasks import TASK_NAMES
 from probkv.models import DEFAULT_MODEL
@@ -36,6 +38,11 @@ DEMO_OUT = "demo-out"
 DEMO_WORKERS = 2
 DEMO_PER_TASK = 3
 DEMO_LENGTH = 1200
+
+#: Exit status of ``eval`` after Ctrl-C (the shell's 128 + SIGINT, as ``probkv.cli``'s) and
+#: when the disk under --out is full (the rows written so far are intact; a rerun resumes).
+INTERRUPTED = 130
+DISK_FULL = 1
 
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
@@ -68,7 +75,9 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         help="comma-separated compression ratios in [0, 1) (default 0.5)",
     )
     add_example_arguments(ev, per_task=5)
-    ev.add_argument("--out", required=True, help="output folder (created; reruns resume)")
+    ev.add_argument(
+        "--out", type=output_path, required=True, help="output folder (created; reruns resume)"
+    )
     ev.add_argument(
         "--truncate-middle",
         action="store_true",
@@ -109,7 +118,9 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     )
     pl.add_argument("path", help="eval output folder, or attention-error .json file")
     pl.add_argument(
-        "--out", help="where to write (default: the folder itself / <file>.png beside the file)"
+        "--out",
+        type=output_path,
+        help="where to write (default: the folder itself / <file>.png beside the file)",
     )
     pl.set_defaults(handler=run_plot_command)
 
@@ -130,7 +141,9 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     de.add_argument(
         "--model", default=DEFAULT_MODEL, help=f"name, .gguf or folder (default {DEFAULT_MODEL})"
     )
-    de.add_argument("--out", default=DEMO_OUT, help=f"output folder (default {DEMO_OUT})")
+    de.add_argument(
+        "--out", type=output_path, default=DEMO_OUT, help=f"output folder (default {DEMO_OUT})"
+    )
     de.add_argument(
         "--workers",
         type=positive_int,
@@ -179,15 +192,34 @@ def run_eval_command(args: argparse.Namespace) -> int:
     )
     print(f"[probkv] model dtype: {config.dtype} (--dtype {args.dtype})", file=sys.stderr)
     start = time.perf_counter()
-    report = run_eval(
-        config,
-        args.out,
-        workers=args.workers,
-        threads=args.threads,
-        force=args.force,
-        reuse_prefill=not args.no_prefill_reuse,
-        progress=not args.no_progress,
-    )
+    results = Path(args.out) / RESULTS_FILE
+    try:
+        report = run_eval(
+            config,
+            args.out,
+            workers=args.workers,
+            threads=args.threads,
+            force=args.force,
+            reuse_prefill=not args.no_prefill_reuse,
+            progress=not args.no_progress,
+        )
+    except KeyboardInterrupt:
+        print(
+            f"probkv eval: interrupted; the finished jobs are saved in {results}: rerun the "
+            "same command to resume",
+            file=sys.stderr,
+        )
+        return INTERRUPTED
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        print(
+            f"probkv eval: error: disk full at {err.filename or args.out} ({err.strerror}); "
+            f"the finished jobs are saved in {results}: free some space and rerun the same "
+            "command to resume",
+            file=sys.stderr,
+        )
+        return DISK_FULL
     print(summary_markdown(report.summary))
     out = Path(args.out)
     print(

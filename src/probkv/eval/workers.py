@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import queue
+import signal
 import traceback
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -22,7 +23,9 @@ from probkv.eval.plan import Unit
 def _worker_main(settings: JobSettings, threads: int, tasks, results) -> None:
     """A worker process: load the model once, run units until the ``None`` sentinel, send
     ``("row", row)`` per finished job and ``("done", n)`` per unit; ``("error", text)`` on
-    failure."""
+    failure. Ctrl-C reaches every process of the terminal's group: a worker ignores it, and
+    the parent, which reports it once, stops the workers."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         model, tokenizer = load_prepared_model(settings.model, threads, settings.dtype)
         while (unit := tasks.get()) is not None:
