@@ -47,6 +47,12 @@ DISK_FULL = 1
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
     """Register ``eval``, ``plot`` and ``demo``."""
+    _add_eval(subparsers)
+    _add_plot(subparsers)
+    _add_demo(subparsers)
+
+
+def _add_eval(subparsers: argparse._SubParsersAction) -> None:
     ev = subparsers.add_parser(
         "eval",
         help="evaluate eviction methods on tasks (results, resume, summary)",
@@ -106,6 +112,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     ev.add_argument("--no-progress", action="store_true", help="no progress bar")
     ev.set_defaults(handler=run_eval_command)
 
+
+def _add_plot(subparsers: argparse._SubParsersAction) -> None:
     pl = subparsers.add_parser(
         "plot",
         help="figures of an eval folder or of an attention-error JSON file",
@@ -124,6 +132,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     )
     pl.set_defaults(handler=run_plot_command)
 
+
+def _add_demo(subparsers: argparse._SubParsersAction) -> None:
     # The demo's defaults are literals here so that `probkv --help` does not import the demo
     # (transformers, matplotlib); tests/eval/test_commands.py checks they equal its constants.
     de = subparsers.add_parser(
@@ -239,7 +249,8 @@ def run_plot_command(args: argparse.Namespace) -> int:
         check_output_folder(path if args.out is None else args.out, flag)
     elif path.is_file():
         check_output_file(path.with_suffix(".png") if args.out is None else args.out, flag)
-    from probkv.eval.plots import plot_attention_error_file, plot_run  # loads matplotlib
+    from probkv.eval.attention_error_plot import plot_attention_error_file  # matplotlib
+    from probkv.eval.plots import plot_run
 
     if path.is_dir():
         figures = plot_run(path, args.out)
@@ -265,7 +276,7 @@ def _read_json_quietly(path: Path):
 
     try:
         return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
 
 
