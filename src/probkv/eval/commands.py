@@ -214,19 +214,14 @@ def run_eval_command(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
         )
     except KeyboardInterrupt:
-        print(
-            f"probkv eval: interrupted; the finished jobs are saved in {results}: rerun the "
-            "same command to resume",
-            file=sys.stderr,
-        )
+        print(f"probkv eval: interrupted; {_saved(results)}", file=sys.stderr)
         return INTERRUPTED
     except OSError as err:
         if err.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         print(
             f"probkv eval: error: disk full at {err.filename or args.out} ({err.strerror}); "
-            f"the finished jobs are saved in {results}: free some space and rerun the same "
-            "command to resume",
+            f"free some space; {_saved(results)}",
             file=sys.stderr,
         )
         return DISK_FULL
@@ -238,6 +233,13 @@ def run_eval_command(args: argparse.Namespace) -> int:
         f"{out / SUMMARY_MD} and {out / SUMMARY_JSON}; figures: probkv plot {out}"
     )
     return 0
+
+
+def _saved(results: Path) -> str:
+    """What a stopped eval kept (every finished row is fsynced before the next job)."""
+    if results.is_file() and results.stat().st_size > 0:
+        return f"the finished jobs are saved in {results}: rerun the same command to resume"
+    return "no job had finished yet: rerun the same command to start again"
 
 
 def run_plot_command(args: argparse.Namespace) -> int:
