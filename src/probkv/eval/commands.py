@@ -124,7 +124,9 @@ def _add_plot(subparsers: argparse._SubParsersAction) -> None:
             "long-decode JSON file (NLL gap vs budget per method). PNG files."
         ),
     )
-    pl.add_argument("path", help="eval output folder, or attention-error .json file")
+    pl.add_argument(
+        "path", type=output_path, help="eval output folder, or attention-error .json file"
+    )
     pl.add_argument(
         "--out",
         type=output_path,

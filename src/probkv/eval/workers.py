@@ -26,14 +26,24 @@ def _worker_main(settings: JobSettings, threads: int, tasks, results) -> None:
     failure. Ctrl-C reaches every process of the terminal's group: a worker ignores it, and
     the parent, which reports it once, stops the workers."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # terminate() (SIGTERM) exits through the finalizers, which release the semaphores this
+    # process made (tqdm's lock): a plain kill would leave the resource tracker to warn
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         model, tokenizer = load_prepared_model(settings.model, threads, settings.dtype)
         while (unit := tasks.get()) is not None:
             for row in run_unit(model, tokenizer, unit, settings):
                 results.put(("row", row))
             results.put(("done", len(unit.jobs)))
+    except SystemExit:  # stopped by the parent, which no longer reads: do not wait on it
+        results.cancel_join_thread()
+        raise
     except BaseException:
         results.put(("error", traceback.format_exc()))
+
+
+def _exit_on_signal(signum, frame) -> None:
+    raise SystemExit(0)
 
 
 def run_in_workers(
@@ -86,3 +96,9 @@ def run_in_workers(
                 p.terminate()
         for p in procs:
             p.join(timeout=30)
+        for q in (tasks, results):  # an interrupted run leaves items: read them, so that
+            with contextlib.suppress(queue.Empty, OSError, EOFError):  # nothing waits on a
+                while True:  # full pipe at exit and the queues' semaphores are released
+                    q.get(timeout=0.1)
+            q.cancel_join_thread()
+            q.close()
