@@ -1012,3 +1012,35 @@ def test_cli_attention_error_prompt_beyond_the_positions_is_refused_before_loadi
     args = ["attention-error", "--model", str(gguf), "--prompt-file", str(long_text)]
     _refused_before_loading([*args, "--out", str(out)], cache, "the prompt (", f"limit of {LIMIT}")
     assert not out.exists()
+
+
+def test_cli_eval_ctrl_c_with_workers_is_one_line(tmp_path, cache, gguf):
+    """Ctrl-C reaches the whole process group: here the runner sends SIGINT to its own group
+    (a new session: itself and its two workers) once 2 rows are written. One line, status
+    130, no traceback or warning from the workers, and the rerun resumes."""
+    data = _jsonl(tmp_path / "d.jsonl", *({**GOOD, "id": f"e{i}"} for i in range(4)))
+    out = tmp_path / "out"
+    args = ["eval", "--model", str(gguf), "--data", str(data), "--methods", "full,snapkv"]
+    args += ["--workers", "2", "--out", str(out), "--no-progress"]
+    script = STOP_AFTER_ROWS.format(stop=2, action="group").replace(
+        "        else:\n            raise OSError",
+        '        elif ACTION == "group":\n'
+        "            os.killpg(os.getpgid(0), signal.SIGINT)\n"
+        "        else:\n            raise OSError",
+    )
+    env = {**os.environ, CACHE_ENV: str(cache), "PYTHONPATH": SRC}
+    done = subprocess.run(
+        [sys.executable, "-c", script, "--threads", "1", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        start_new_session=True,
+    )
+    assert done.returncode == 130, (done.returncode, done.stderr)
+    lines = [ln for ln in done.stderr.splitlines() if "Loading weights" not in ln and ln.strip()]
+    assert lines[-1].startswith("probkv eval: interrupted; the finished jobs are saved in")
+    assert "Traceback" not in done.stderr and "leaked" not in done.stderr, done.stderr
+    assert len(_eval_rows(out)) >= 2
+    again = _run(args, cache)
+    assert again.returncode == 0 and "8 in all" in again.stdout, again.stderr

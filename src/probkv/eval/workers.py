@@ -3,7 +3,10 @@
 Each worker is a spawned process that loads the model once and runs units from a shared
 queue until a ``None`` sentinel; rows come back as they finish, so the parent appends them to
 the results file in finishing order. A failing worker stops the others; the rows finished so
-far still reach the parent first (a rerun resumes from them).
+far still reach the parent first (a rerun resumes from them). Ctrl-C reaches every process of
+the terminal's group: workers ignore SIGINT (from their first instruction: it is ignored while
+they are spawned, and that disposition survives exec), the parent reports it once and stops
+them with SIGTERM, on which they exit through their finalizers.
 """
 
 from __future__ import annotations
@@ -42,6 +45,22 @@ def _worker_main(settings: JobSettings, threads: int, tasks, results) -> None:
         results.put(("error", traceback.format_exc()))
 
 
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """SIGINT ignored while workers are spawned, so that a Ctrl-C during a worker's start
+    (before it runs any Python of ours) cannot print a traceback there; the parent handles
+    it. Outside the main thread, where handlers cannot change, nothing is done."""
+    try:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _exit_on_signal(signum, frame) -> None:
     raise SystemExit(0)
 
@@ -62,8 +81,9 @@ def run_in_workers(
     ]
     for _ in procs:
         tasks.put(None)
-    for p in procs:
-        p.start()
+    with _sigint_ignored():  # inherited through exec: ignored from the worker's first line
+        for p in procs:
+            p.start()
     expected = sum(len(u.jobs) for u in units)
     received = 0
     try:
