@@ -179,6 +179,10 @@ def test_check_model_folder_reads_sharded_and_single_weights(tmp_path):
     (tmp_path / "b.safetensors").write_bytes(b"\xff" * 64)
     with pytest.raises(InvalidModelFolderError, match="header claims"):
         check_model_folder(tmp_path)
+    header = json.dumps({"y": {"dtype": "F32", "shape": [1], "data_offsets": ["0", "x"]}})
+    (tmp_path / "b.safetensors").write_bytes(struct.pack("<Q", len(header)) + header.encode())
+    with pytest.raises(InvalidModelFolderError, match="'y' has no valid data_offsets"):
+        check_model_folder(tmp_path)
     (tmp_path / "b.safetensors").unlink()
     with pytest.raises(InvalidModelFolderError, match=r"names files the folder lacks: \['b\.saf"):
         check_model_folder(tmp_path)

@@ -361,9 +361,13 @@ def _safetensors_problem(path: Path) -> str | None:
         if name == "__metadata__":
             continue
         offsets = info.get("data_offsets") if isinstance(info, dict) else None
-        if not (isinstance(offsets, list) and len(offsets) == 2):
-            return f"its header entry {name!r} has no data_offsets (damaged)"
-        end = max(end, int(offsets[1]))
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        ):
+            return f"its header entry {name!r} has no valid data_offsets (damaged)"
+        end = max(end, offsets[1])
     if 8 + length + end > size:
         return f"its tensors need {8 + length + end} bytes, the file has {size} (truncated?)"
     return None
