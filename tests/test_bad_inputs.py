@@ -730,3 +730,317 @@ def test_chunked_prefill_of_a_harmonic_score_is_refused_by_name(tiny_llama):
         ValueError, match=r"chunked prefill with score 'min-h'.*prompt_length=N.*prefill_chunk_size"
     ):
         tiny_llama.generate(ids, cache=cache, max_new_tokens=2, prefill_chunk_size=16)
+
+
+# -- reliability: every check before the model loads, one-line errors, clean interruptions ----
+
+# Runs the CLI with every model load replaced by an exit with status 99: a check that passes
+# this script's run with status 2 refused the input before any model was loaded.
+NO_LOAD = """
+import sys
+import probkv.models, probkv.cli, probkv.eval.job
+def refuse(*args, **kwargs):
+    print("a model was loaded", file=sys.stderr)
+    sys.exit(99)
+probkv.models.load_model = probkv.cli.load_model = probkv.eval.job.load_model = refuse
+sys.exit(probkv.cli.main())
+"""
+
+
+def _refused_before_loading(args: list[str], cache: Path, *needles: str, cwd=None) -> str:
+    return _clear_error(_run(args, cache, script=NO_LOAD, cwd=cwd), *needles)
+
+
+def test_cli_generate_prompt_beyond_the_positions_is_refused_before_loading(cache, gguf):
+    prompt = "hello " * 600  # about 3,600 tokens of the tiny tokenizer; the model has 512
+    args = ["generate", "--model", str(gguf), "--prompt", prompt, "--max-new-tokens", "8"]
+    stderr = _refused_before_loading(args, cache, f"above the model's limit of {LIMIT}")
+    assert "--max-new-tokens is 8" in stderr and "shorten --prompt" in stderr
+    # a prompt that fits but leaves no room for the answer is refused the same way
+    args = ["generate", "--model", str(gguf), "--prompt", "hi", "--max-new-tokens", "510"]
+    _refused_before_loading(args, cache, "--max-new-tokens is 510", f"limit of {LIMIT}")
+
+
+@pytest.fixture
+def model_folder(tmp_path) -> Path:
+    from probkv.testing import save_tiny_model_folder
+
+    return save_tiny_model_folder(tmp_path / "folder", "llama")
+
+
+def _damage_folder(folder: Path, kind: str) -> tuple[Path, str]:
+    """Damage a Hugging Face folder; returns the file an error must name, and the wording."""
+    weights = folder / "model.safetensors"
+    if kind == "config not JSON":
+        (folder / "config.json").write_text('{"model_type": "llama",\n  oops')
+        return folder / "config.json", "is not valid JSON (Expecting"
+    if kind == "config nested too deeply":
+        (folder / "config.json").write_text("[" * 100_000)
+        return folder / "config.json", "is not valid JSON (nested too deeply)"
+    if kind == "no weights":
+        weights.unlink()
+        return folder, "has a config.json but no weights: none of model.safetensors"
+    size = weights.stat().st_size
+    with open(weights, "r+b") as f:
+        f.truncate(size // 2)
+    return weights, f"its tensors need {size} bytes, the file has {size // 2} (truncated?)"
+
+
+KINDS = ["config not JSON", "config nested too deeply", "no weights", "truncated weights"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_cli_damaged_model_folder_names_the_file(kind, model_folder, cache):
+    bad, wording = _damage_folder(model_folder, kind)
+    args = ["generate", "--model", str(model_folder), "--prompt", "hi"]
+    _refused_before_loading(args, cache, str(bad), wording)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_api_damaged_model_folder_is_a_value_error(kind, model_folder):
+    from probkv.model_files import InvalidModelFolderError
+
+    bad, wording = _damage_folder(model_folder, kind)
+    with pytest.raises(InvalidModelFolderError) as err:
+        models.load_model(model_folder)
+    assert str(bad) in str(err.value) and wording in str(err.value)
+
+
+DEEP = b'{"id": "b", "context": ' + b"[" * 100_000 + b"}"
+
+
+def test_api_deeply_nested_data_line_names_file_and_line(tmp_path):
+    path = _jsonl(tmp_path / "d.jsonl", GOOD, DEEP)
+    with pytest.raises(ValueError, match=r"d\.jsonl:2: invalid JSON \(nested too deeply"):
+        load_examples(path)
+
+
+def test_cli_eval_deeply_nested_data_line_names_file_and_line(tmp_path, cache, gguf):
+    data = _jsonl(tmp_path / "d.jsonl", GOOD, DEEP)
+    args = ["eval", "--model", str(gguf), "--data", str(data), "--methods", "full"]
+    _refused_before_loading(
+        [*args, "--out", str(tmp_path / "out")], cache, f"{data}:2: invalid JSON (nested too"
+    )
+
+
+def test_deeply_nested_results_and_config_name_the_file(tmp_path):
+    from probkv.eval.store import read_config, read_results
+
+    (tmp_path / "results.jsonl").write_bytes(b"[" * 100_000 + b"\n")
+    with pytest.raises(ValueError, match=r"results\.jsonl:1: invalid JSON.*nested too deeply"):
+        read_results(tmp_path / "results.jsonl")
+    (tmp_path / "config.json").write_bytes(b"[" * 100_000)
+    assert read_config(tmp_path) == (
+        None,
+        "its config.json cannot be read (JSON nested too deeply)",
+    )
+
+
+def test_cli_empty_out_is_refused_and_nothing_is_written(tmp_path, cache, gguf):
+    data = _jsonl(tmp_path / "d.jsonl", GOOD)
+    work = tmp_path / "cwd"
+    work.mkdir()
+    for args in (
+        ["eval", "--model", str(gguf), "--data", str(data), "--methods", "full", "--out", ""],
+        ["attention-error", "--model", str(gguf), "--out", ""],
+        ["long-decode", "--model", str(gguf), "--text", "prose:1", "--out", " "],
+    ):
+        done = _run(args, cache, script=NO_LOAD, cwd=work)
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        assert "argument --out: must be a file or folder path" in done.stderr, done.stderr
+    assert list(work.iterdir()) == []
+    from probkv.eval.outputs import check_output_file, check_output_folder
+
+    for check in (check_output_folder, check_output_file):
+        with pytest.raises(ValueError, match="--out '' is an empty path"):
+            check("", "--out")
+
+
+def test_every_command_refuses_absurd_threads(capsys):
+    from probkv import cli
+    from probkv.cli_args import max_threads
+
+    parser = cli.build_parser()
+    commands = parser._subparsers._group_actions[0].choices
+    assert {"generate", "models", "eval", "long-decode", "attention-error"} <= set(commands)
+    for name in commands:
+        for argv in ([name, "--threads", "99999"], ["--threads", "99999", name]):
+            with pytest.raises(SystemExit) as info:
+                parser.parse_args(argv)
+            assert info.value.code == 2
+            assert f"must be at most {max_threads()}" in capsys.readouterr().err
+    assert parser.parse_args(["models", "--threads", str(max_threads())]).threads == max_threads()
+
+
+def test_cli_models_with_absurd_threads_is_one_error_not_a_crash(cache):
+    done = _run(["models", "--threads", "99999"], cache)
+    _clear_error(done, "argument --threads: must be at most", "got '99999'")
+    assert done.stdout == ""  # refused before the list, not after it
+
+
+def _generated_run(tmp_path: Path, cache: Path, gguf: Path) -> tuple[list[str], Path]:
+    out = tmp_path / "gen"
+    args = ["eval", "--model", str(gguf), "--tasks", "niah_single_1", "--lengths", "360"]
+    args += ["--per-task", "1", "--methods", "full", "--out", str(out), "--no-progress"]
+    done = _run(args, cache)
+    assert done.returncode == 0, done.stderr
+    return args, out
+
+
+def test_cli_corrupted_examples_file_names_file_and_line(tmp_path, cache, gguf):
+    args, out = _generated_run(tmp_path, cache, gguf)
+    examples = out / "examples.jsonl"
+    examples.write_text(examples.read_text() + "\n{not json\n")
+    _refused_before_loading(args, cache, f"{examples}:3: invalid JSON", "--force")
+    done = _run([*args, "--force"], cache)  # the damaged run is moved away, a new one runs
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert (out / "previous-1" / "examples.jsonl").exists()
+
+
+# Runs `probkv eval` with results.jsonl's writer wrapped: after STOP rows it raises or signals
+# what ACTION says, at a row boundary the test chooses (no timing involved).
+STOP_AFTER_ROWS = """
+import errno, os, signal, sys
+import probkv.cli, probkv.eval.runner as runner
+STOP, ACTION = {stop}, {action!r}
+written = []
+real_append = runner.append_row
+def append_row(f, row):
+    if len(written) == STOP:
+        if ACTION == "sigint":
+            os.kill(os.getpid(), signal.SIGINT)
+        elif ACTION == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        else:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    real_append(f, row)
+    written.append(row)
+runner.append_row = append_row
+sys.exit(probkv.cli.main())
+"""
+
+
+def _eval_rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize(
+    ("action", "status", "needle"),
+    [
+        ("sigint", 130, "probkv eval: interrupted; the finished jobs are saved in"),
+        ("enospc", 1, "probkv eval: error: disk full at"),
+    ],
+)
+def test_cli_eval_interrupted_or_disk_full_is_one_line_and_resumes(
+    action, status, needle, tmp_path, cache, gguf
+):
+    data = _jsonl(tmp_path / "d.jsonl", GOOD, {**GOOD, "id": "b"}, {**GOOD, "id": "c"})
+    out = tmp_path / "out"
+    args = ["eval", "--model", str(gguf), "--data", str(data), "--methods", "full,snapkv"]
+    args += ["--out", str(out), "--no-progress"]
+    done = _run(args, cache, script=STOP_AFTER_ROWS.format(stop=2, action=action))
+    assert done.returncode == status, (done.returncode, done.stderr)
+    assert "Traceback" not in done.stderr and needle in done.stderr, done.stderr
+    assert "rerun the same command to resume" in done.stderr
+    before = (out / "results.jsonl").read_bytes()
+    assert len(_eval_rows(out)) == 2
+    done = _run(args, cache)
+    assert done.returncode == 0, done.stderr
+    assert "2 already done, 6 in all" in done.stdout
+    assert (out / "results.jsonl").read_bytes().startswith(before)
+    keys = {(r["id"], r["method"]) for r in _eval_rows(out)}
+    assert len(keys) == len(_eval_rows(out)) == 6
+
+
+def _long_decode(gguf: Path, out: str, *extra: str) -> list[str]:
+    args = ["long-decode", "--model", str(gguf), "--text", "prose:1", "--prompt-tokens", "24"]
+    return [*args, "--tokens", "8", "--budget", "8", "--out", out, *extra]
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (["--methods", "h2o,kvzip"], "method 'kvzip': a decode budget"),
+        (["--methods", "h2o,ada_snapkv"], "method 'ada_snapkv': a decode budget"),
+        (["--methods", "snapkv,snapkv"], "methods lists snapkv more than once"),
+        (["--budget", "16,16"], "budget lists 16 more than once"),
+        (["--tokens", "1"], "tokens must be >= 2, got 1"),
+        (["--prompt-tokens", "600"], "--prompt-tokens 600 + --tokens 8 = 608 positions"),
+    ],
+)
+def test_cli_long_decode_inputs_are_checked_before_loading(extra, needle, tmp_path, cache, gguf):
+    out = tmp_path / "ld.json"
+    _refused_before_loading(_long_decode(gguf, str(out), *extra), cache, needle)
+    assert not out.exists()
+
+
+def test_cli_long_decode_out_and_text_are_checked_before_loading(tmp_path, cache, gguf, a_file):
+    for out, needle in [
+        (str(tmp_path), f"--out '{tmp_path}' is a folder; give a file name"),
+        ("/proc/probkv-ld.json", "--out '/proc/probkv-ld.json': cannot write in /proc"),
+        (str(a_file / "ld.json"), f"{a_file} is a file, not a folder"),
+    ]:
+        _refused_before_loading(_long_decode(gguf, out), cache, needle)
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes(b"caf\xe9 " * 50)
+    args = _long_decode(gguf, str(tmp_path / "ld.json"))
+    args[args.index("prose:1")] = str(latin1)
+    _refused_before_loading(args, cache, f"--text '{latin1}': not valid UTF-8 (byte 0xe9")
+
+
+def test_every_command_that_loads_a_model_takes_dtype(gguf):
+    from probkv import cli
+
+    parser = cli.build_parser()
+    commands = parser._subparsers._group_actions[0].choices
+    loading = [n for n, sub in commands.items() if "--model" in sub._option_string_actions]
+    assert "long-decode" in loading and "generate" in loading
+    for name in loading:
+        assert "--dtype" in commands[name]._option_string_actions, name
+    args = parser.parse_args(_long_decode(gguf, "x.json", "--dtype", "bfloat16"))
+    assert args.dtype == "bfloat16"
+
+
+def test_cli_attention_error_prompt_beyond_the_positions_is_refused_before_loading(
+    tmp_path, cache, gguf
+):
+    out = tmp_path / "ae.json"
+    args = ["attention-error", "--model", str(gguf), "--prompt-tokens", "100000", "--out", str(out)]
+    _refused_before_loading(args, cache, "--prompt-tokens (100000 tokens)", f"limit of {LIMIT}")
+    long_text = tmp_path / "long.txt"
+    long_text.write_text("The grass is green. " * 200)
+    args = ["attention-error", "--model", str(gguf), "--prompt-file", str(long_text)]
+    _refused_before_loading([*args, "--out", str(out)], cache, "the prompt (", f"limit of {LIMIT}")
+    assert not out.exists()
+
+
+def test_cli_eval_ctrl_c_with_workers_is_one_line(tmp_path, cache, gguf):
+    """Ctrl-C reaches the whole process group: here the runner sends SIGINT to its own group
+    (a new session: itself and its two workers) once 2 rows are written. One line, status
+    130, no traceback or warning from the workers, and the rerun resumes."""
+    data = _jsonl(tmp_path / "d.jsonl", *({**GOOD, "id": f"e{i}"} for i in range(4)))
+    out = tmp_path / "out"
+    args = ["eval", "--model", str(gguf), "--data", str(data), "--methods", "full,snapkv"]
+    args += ["--workers", "2", "--out", str(out), "--no-progress"]
+    script = STOP_AFTER_ROWS.format(stop=2, action="group").replace(
+        "        else:\n            raise OSError",
+        '        elif ACTION == "group":\n'
+        "            os.killpg(os.getpgid(0), signal.SIGINT)\n"
+        "        else:\n            raise OSError",
+    )
+    env = {**os.environ, CACHE_ENV: str(cache), "PYTHONPATH": SRC}
+    done = subprocess.run(
+        [sys.executable, "-c", script, "--threads", "1", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        start_new_session=True,
+    )
+    assert done.returncode == 130, (done.returncode, done.stderr)
+    lines = [ln for ln in done.stderr.splitlines() if "Loading weights" not in ln and ln.strip()]
+    assert lines[-1].startswith("probkv eval: interrupted; the finished jobs are saved in")
+    assert "Traceback" not in done.stderr and "leaked" not in done.stderr, done.stderr
+    assert len(_eval_rows(out)) >= 2
+    again = _run(args, cache)
+    assert again.returncode == 0 and "8 in all" in again.stdout, again.stderr

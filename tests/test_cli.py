@@ -182,3 +182,27 @@ def test_generate_with_the_default_model(smollm2, capsys):
     out = capsys.readouterr().out
     assert f"model: {DEFAULT_MODEL} (cache:" in out
     assert "Paris" in out
+
+
+@pytest.mark.slow
+def test_prompts_past_the_default_models_positions_are_refused_before_it_loads(
+    smollm2, monkeypatch, capsys, tmp_path
+):
+    """The reported cases on the 8,192-position default model: a ~9,500-token `generate`
+    prompt (it ran 47 s and printed an empty answer) and `attention-error --prompt-tokens
+    100000` (still running after 300 s) are refused before any model loads."""
+    from probkv import models
+
+    def refuse(*args, **kwargs):
+        pytest.fail("the model was loaded")
+
+    monkeypatch.setattr(cli, "load_model", refuse)
+    monkeypatch.setattr(models, "load_model", refuse)
+    prompt = "The grass is green and the sky is blue. " * 950
+    assert cli.main(["generate", "--prompt", prompt]) == 2
+    err = capsys.readouterr().err
+    assert "--max-new-tokens is 32" in err and "above the model's limit of 8192" in err
+    out = tmp_path / "ae.json"
+    argv = ["attention-error", "--prompt-tokens", "100000", "--out", str(out)]
+    assert cli.main(argv) == 2
+    assert "--prompt-tokens (100000 tokens)" in capsys.readouterr().err and not out.exists()

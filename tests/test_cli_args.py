@@ -10,7 +10,15 @@ import sys
 
 import pytest
 
-from probkv.cli_args import comma_list, length_list, positive_int, ratio_list
+from probkv.cli_args import (
+    comma_list,
+    length_list,
+    max_threads,
+    output_path,
+    positive_int,
+    ratio_list,
+    thread_count,
+)
 
 
 def test_valid_values():
@@ -18,6 +26,8 @@ def test_valid_values():
     assert comma_list(" a, b ,c") == ["a", "b", "c"]
     assert ratio_list("0,0.5,0.99") == [0.0, 0.5, 0.99]
     assert length_list("2048,4096") == [2048, 4096]
+    assert thread_count("1") == 1 and thread_count(str(max_threads())) == max_threads()
+    assert output_path("out") == "out" and output_path(".") == "."
 
 
 @pytest.mark.parametrize(
@@ -30,6 +40,10 @@ def test_valid_values():
         (ratio_list, "0.5,1", r"\[0, 1\) \(fraction evicted\), got '1'"),
         (ratio_list, "half", "got 'half'"),
         (length_list, "100,-1", "integer >= 1, got '-1'"),
+        (thread_count, "0", "integer >= 1, got '0'"),
+        (thread_count, "99999", r"at most \d+ \(4 x the \d+ CPUs of this machine.*got '99999'"),
+        (output_path, "", "must be a file or folder path, got ''"),
+        (output_path, "  ", "an empty path"),
     ],
 )
 def test_bad_values_name_the_value(parse, bad, message):

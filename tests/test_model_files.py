@@ -146,3 +146,46 @@ def test_gguf_checks(tmp_path):
         assert str(path) in str(info.value)
     with pytest.raises(InvalidGGUFError, match="cannot read the model file"):
         check_gguf_header(tmp_path / "absent.gguf")
+
+
+# -- Hugging Face folders -----------------------------------------------------------------------
+
+
+def _safetensors(path: Path, tensors: dict[str, int]) -> Path:
+    """A safetensors file with float32 tensors of the given sizes (elements)."""
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({k: torch.zeros(n) for k, n in tensors.items()}, str(path))
+    return path
+
+
+def test_check_model_folder_reads_sharded_and_single_weights(tmp_path):
+    from probkv.model_files import InvalidModelFolderError, check_model_folder
+
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    _safetensors(tmp_path / "a.safetensors", {"x": 10})
+    _safetensors(tmp_path / "b.safetensors", {"y": 20})
+    index = {"weight_map": {"x": "a.safetensors", "y": "b.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    check_model_folder(tmp_path)  # intact: no error
+    data = (tmp_path / "b.safetensors").read_bytes()
+    (tmp_path / "b.safetensors").write_bytes(data[:-4])
+    with pytest.raises(InvalidModelFolderError, match=r"b\.safetensors cannot be loaded: its tens"):
+        check_model_folder(tmp_path)
+    (tmp_path / "b.safetensors").write_bytes(data[:5])
+    with pytest.raises(InvalidModelFolderError, match="fewer than the 8 of a safetensors header"):
+        check_model_folder(tmp_path)
+    (tmp_path / "b.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(InvalidModelFolderError, match="header claims"):
+        check_model_folder(tmp_path)
+    header = json.dumps({"y": {"dtype": "F32", "shape": [1], "data_offsets": ["0", "x"]}})
+    (tmp_path / "b.safetensors").write_bytes(struct.pack("<Q", len(header)) + header.encode())
+    with pytest.raises(InvalidModelFolderError, match="'y' has no valid data_offsets"):
+        check_model_folder(tmp_path)
+    (tmp_path / "b.safetensors").unlink()
+    with pytest.raises(InvalidModelFolderError, match=r"names files the folder lacks: \['b\.saf"):
+        check_model_folder(tmp_path)
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(InvalidModelFolderError, match=r"config\.json is not a JSON object"):
+        check_model_folder(tmp_path)

@@ -219,12 +219,37 @@ def test_new_transformers_version_converts_again(monkeypatch, cache, gguf_file):
 
 
 def test_changed_gguf_at_same_path_converts_again(tmp_path, cache):
+    """A rewrite right after a conversion, even one that keeps the size and modification time
+    (what a coarse-timestamp file system shows for a rewrite in the same tick), is seen."""
     path = write_tiny_gguf(tmp_path / "m.gguf", seed=0)
     first = resolve_model(path)
-    time.sleep(0.01)  # a distinct modification time, as any real rewrite has
+    before = path.stat()
     write_tiny_gguf(path, seed=1)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert path.stat().st_size == before.st_size
     second = resolve_model(path)
     assert second.origin == "converted" and second.path != first.path
+
+
+def test_digests_are_remembered_only_for_settled_files(tmp_path, monkeypatch):
+    """A file changed within SETTLE_S seconds of being hashed is hashed again next time (its
+    stat could survive a rewrite on a coarse-timestamp file system); an older one is hashed
+    once per process."""
+    path = write_tiny_gguf(tmp_path / "m.gguf", seed=0)
+    models._SHA_MEMO.clear()
+    hashed = []
+    real = models.hashlib.sha256
+    counting = types.SimpleNamespace(sha256=lambda: hashed.append(1) or real())
+    monkeypatch.setattr(models, "hashlib", counting)
+    digest = sha256_of_parts([path])
+    assert sha256_of_parts([path]) == digest and len(hashed) == 2  # fresh: not remembered
+    assert models._SHA_MEMO == {}
+    later = time.time() + 2 * model_files.SETTLE_S
+    monkeypatch.setattr(model_files, "_now", lambda: later)
+    assert sha256_of_parts([path]) == digest and len(hashed) == 3
+    assert sha256_of_parts([path]) == digest and len(hashed) == 3  # settled: remembered
+    st = path.stat()
+    assert model_files.settled(st, later) and not model_files.settled(st, st.st_ctime_ns / 1e9)
 
 
 # -- conversion and the cache -----------------------------------------------------------------
@@ -527,12 +552,29 @@ def test_verification_is_remembered_until_a_file_changes(monkeypatch, cache, ggu
     real = model_files.sha256_of_file
     monkeypatch.setattr(model_files, "sha256_of_file", lambda p: hashed.append(p) or real(p))
     model_files._VERIFIED.clear()
+    # the conversion just wrote these files: seen from later, they have settled
+    later = time.time() + 2 * model_files.SETTLE_S
+    monkeypatch.setattr(model_files, "_now", lambda: later)
     assert models.cache_state(gguf_file) == "cached"
     first = len(hashed)
     assert first == len(json.loads((good / MANIFEST_NAME).read_text())["sha256"])
     assert models.cache_state(gguf_file) == "cached" and len(hashed) == first
     _overwrite_in_place(good / "tokenizer.json", 10, b"~~~~")
     assert models.cache_state(gguf_file) == "corrupt" and len(hashed) > first
+
+
+def test_verification_of_fresh_files_is_never_remembered(monkeypatch, cache, gguf_file):
+    """Files written moments ago are hashed on every check: a same-size rewrite in the same
+    timestamp tick (coarse file systems) cannot hide behind a remembered success."""
+    resolve_model(gguf_file)
+    hashed = []
+    real = model_files.sha256_of_file
+    monkeypatch.setattr(model_files, "sha256_of_file", lambda p: hashed.append(p) or real(p))
+    model_files._VERIFIED.clear()
+    assert models.cache_state(gguf_file) == "cached"
+    first = len(hashed)
+    assert models.cache_state(gguf_file) == "cached" and len(hashed) == 2 * first
+    assert not model_files._VERIFIED
 
 
 def test_registry_status_reports_corrupt(tmp_path, monkeypatch, cache, gguf_file):

@@ -12,7 +12,11 @@ Argument types shared by the subcommands (``positive_int``, ...) live in ``probk
 so command modules never import this file. Handlers that need transformers or matplotlib
 import them when they run, so ``probkv --help`` loads neither. Every subcommand accepts
 ``--threads`` (torch CPU threads, default 1: on the 2-core machines probkv is developed on,
-one thread per process measured faster than two).
+one thread per process measured faster than two; at most ``probkv.cli_args.max_threads()``,
+four per CPU).
+
+Exit status: 0 on success, 2 for a refused input (one line ``probkv CMD: error: ...``), 130
+when interrupted (Ctrl-C: one line, no traceback; ``eval`` says that a rerun resumes).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from collections.abc import Sequence
 import torch
 
 from probkv import __version__
-from probkv.cli_args import add_dtype_argument, positive_int
+from probkv.cli_args import add_dtype_argument, positive_int, thread_count
 from probkv.dtypes import MODEL_DTYPES, resolve_dtype_name
 from probkv.models import (
     DEFAULT_MODEL,
@@ -34,6 +38,8 @@ from probkv.models import (
     cache_root,
     chat_prompt_ids,
     load_model,
+    load_tokenizer,
+    model_max_positions,
     model_names,
     model_status,
     resolve_model,
@@ -51,6 +57,8 @@ COMMAND_MODULES: tuple[str, ...] = (
 )
 
 DEFAULT_THREADS = 1
+#: Exit status after Ctrl-C (SIGINT), the shell's 128 + 2.
+INTERRUPTED = 130
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"probkv {__version__}")
     parser.add_argument(
         "--threads",
-        type=positive_int,
+        type=thread_count,
         default=DEFAULT_THREADS,
         help=f"torch CPU threads (default {DEFAULT_THREADS})",
     )
@@ -74,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
             raise RuntimeError(f"subcommand {name!r} sets no handler (set_defaults(handler=...))")
         # Also accepted after the subcommand; SUPPRESS keeps the global value when omitted.
         sub.add_argument(
-            "--threads", type=positive_int, default=argparse.SUPPRESS, help="torch CPU threads"
+            "--threads", type=thread_count, default=argparse.SUPPRESS, help="torch CPU threads"
         )
     return parser
 
@@ -90,6 +98,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, ModelNotInstalledError) as err:
         print(f"probkv {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # a command with something to say on Ctrl-C catches it itself
+        print(f"probkv {args.command}: interrupted", file=sys.stderr)
+        return INTERRUPTED
 
 
 # -- built-in subcommands --------------------------------------------------------------------
@@ -125,9 +136,10 @@ def _run_generate(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     resolved = resolve_model(args.model)
     dtype = resolve_dtype_name(args.dtype)
+    ids = chat_prompt_ids(load_tokenizer(resolved.path), args.prompt)
+    check_generation_fits(ids.shape[1], args.max_new_tokens, model_max_positions(resolved.path))
     model, tokenizer = load_model(resolved.path, dtype=MODEL_DTYPES[dtype])
     load_s = time.perf_counter() - start
-    ids = chat_prompt_ids(tokenizer, args.prompt)
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(
@@ -149,6 +161,19 @@ def _run_generate(args: argparse.Namespace) -> int:
         f"generated {new.numel()} tokens in {gen_s:.2f} s ({new.numel() / gen_s:.1f} tokens/s)"
     )
     return 0
+
+
+def check_generation_fits(prompt_tokens: int, max_new_tokens: int, limit: int) -> None:
+    """Refuse (ValueError) a prompt that, with ``--max-new-tokens``, needs more than the
+    model's ``limit`` positions: past them the model has no position to give a token (its
+    answer would come out empty after the whole prefill). Checked before the model loads."""
+    if prompt_tokens + max_new_tokens > limit:
+        raise ValueError(
+            f"the prompt has {prompt_tokens} tokens and --max-new-tokens is {max_new_tokens}: "
+            f"{prompt_tokens + max_new_tokens} positions, above the model's limit of {limit} "
+            "(max_position_embeddings, prompt plus generated tokens); shorten --prompt or "
+            "lower --max-new-tokens"
+        )
 
 
 def _run_models(args: argparse.Namespace) -> int:

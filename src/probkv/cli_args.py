@@ -4,6 +4,43 @@ modules it registers). Each raises ``argparse.ArgumentTypeError`` naming the bad
 from __future__ import annotations
 
 import argparse
+import os
+
+#: ``--threads`` accepts at most this many torch CPU threads per logical CPU of the machine.
+THREADS_PER_CPU = 4
+
+
+def max_threads() -> int:
+    """The largest ``--threads`` accepted: :data:`THREADS_PER_CPU` times ``os.cpu_count()``.
+    Past the CPU count torch's intra-op threads only contend for the same cores (one thread
+    per process measured fastest on the 2-core development machines); a few times the count
+    still lets oversubscription be measured, while absurd values are refused before torch
+    sees them (``torch.set_num_threads(99999)`` makes the next matrix product segfault in
+    OpenMP's thread pool)."""
+    return THREADS_PER_CPU * (os.cpu_count() or 1)
+
+
+def thread_count(value: str) -> int:
+    """argparse type of ``--threads``: an integer in ``1..max_threads()``."""
+    n = positive_int(value)
+    limit = max_threads()
+    if n > limit:
+        raise argparse.ArgumentTypeError(
+            f"must be at most {limit} ({THREADS_PER_CPU} x the {os.cpu_count() or 1} CPUs of "
+            f"this machine: more threads only contend for the same cores), got {value!r}"
+        )
+    return n
+
+
+def output_path(value: str) -> str:
+    """argparse type of an ``--out`` path: any non-blank string (an empty ``--out ""`` would
+    mean the current folder, which nobody asks for by typing nothing)."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError(
+            f"must be a file or folder path, got {value!r} (an empty path); use --out . "
+            "for the current folder"
+        )
+    return value
 
 
 def positive_int(value: str) -> int:

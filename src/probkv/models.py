@@ -20,11 +20,14 @@ digests) is never trusted: it is removed and converted again, with a message on 
 Converters of the same key serialise on a lock file (removed after use), and a converter that
 loses a rename race uses the winner's folder. A file that is not a GGUF is refused with
 :class:`~probkv.model_files.InvalidGGUFError` (a ValueError) before anything is written.
+A Hugging Face folder whose ``config.json`` is not JSON, that has no weights or whose
+safetensors file is truncated is refused with
+:class:`~probkv.model_files.InvalidModelFolderError` (a ValueError naming the file) when it is
+resolved, before transformers reads it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import os
@@ -33,7 +36,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib.util import find_spec
 from pathlib import Path
@@ -41,18 +44,22 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from probkv import model_files
 from probkv.model_files import MANIFEST_NAME as MANIFEST_NAME  # re-exported
 from probkv.model_files import InvalidGGUFError as InvalidGGUFError  # re-exported
+from probkv.model_files import InvalidModelFolderError as InvalidModelFolderError  # re-exported
 from probkv.model_files import (
     assemble_parts,
     check_gguf,
     check_gguf_header,
+    check_model_folder,
     discard_folder,
     folder_problem,
     fsync_path,
     pid_alive,
     write_manifest,
 )
+from probkv.model_files import exclusive_lock as _lock
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -196,23 +203,31 @@ def _force_reinstall(spec: ModelSpec) -> str:
     return spec.install_command.replace("pip install", "pip install --force-reinstall", 1)
 
 
-_SHA_MEMO: dict[tuple[tuple[str, int, int, int], ...], str] = {}
+_SHA_MEMO: dict[tuple[tuple[str, int, int, int, int, int], ...], str] = {}
 
 
 def sha256_of_parts(paths: Sequence[Path]) -> str:
-    """sha256 of the concatenated bytes of ``paths`` (memoised per process on path, size,
-    modification and change time, so a changed file is hashed again)."""
-    stats = tuple(
-        (str(p), st.st_size, st.st_mtime_ns, st.st_ctime_ns) for p in paths for st in [p.stat()]
+    """sha256 of the concatenated bytes of ``paths``, memoised per process on every file's
+    path, size, modification and change time, device and inode, and only for files that
+    had not changed for a while when hashed (:func:`probkv.model_files.settled`): a rewrite
+    within one timestamp tick of a coarse file system can then never return the digest of
+    the old bytes."""
+    now = model_files._now()
+    stats = [p.stat() for p in paths]
+    key = tuple(
+        (str(p), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_dev, st.st_ino)
+        for p, st in zip(paths, stats)
     )
-    if stats not in _SHA_MEMO:
-        digest = hashlib.sha256()
-        for p in paths:
-            with open(p, "rb") as f:
-                while block := f.read(1 << 20):
-                    digest.update(block)
-        _SHA_MEMO[stats] = digest.hexdigest()
-    return _SHA_MEMO[stats]
+    if key in _SHA_MEMO:
+        return _SHA_MEMO[key]
+    digest = hashlib.sha256()
+    for p in paths:
+        with open(p, "rb") as f:
+            while block := f.read(1 << 20):
+                digest.update(block)
+    if all(model_files.settled(st, now) for st in stats):
+        _SHA_MEMO[key] = digest.hexdigest()
+    return digest.hexdigest()
 
 
 def _registry_source(spec: ModelSpec) -> tuple[list[Path], str]:
@@ -278,36 +293,6 @@ def cached_path(name_or_path: str | os.PathLike[str]) -> Path | None:
     which needs no conversion)."""
     check = _cache_check(name_or_path)
     return check[1] if check is not None and check[0] == "cached" else None
-
-
-@contextlib.contextmanager
-def _lock(path: Path) -> Iterator[None]:
-    """An exclusive lock on ``path`` (POSIX ``flock``; released when the process dies), whose
-    file is removed on release, so no empty lock files pile up in the cache. A waiter that
-    wakes on a file removed meanwhile locks the new one instead (the inode check). Where
-    ``fcntl`` is missing the rename race below still keeps the cache consistent."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - Windows
-        yield
-        return
-    while True:
-        handle = open(path, "a+b")  # noqa: SIM115 - held across the yield below
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            same = os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
-            break
-        handle.close()  # the file we waited on was removed: lock the current one
-    try:
-        yield
-    finally:
-        with contextlib.suppress(OSError):
-            if os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino:
-                os.unlink(path)
-        handle.close()  # releases the flock
 
 
 _STALE_AFTER_S = 24 * 3600
@@ -472,6 +457,7 @@ def resolve_model(name_or_path: str | os.PathLike[str] = DEFAULT_MODEL) -> Resol
         parts, sha = _registry_source(source)
         return _convert_into_cache(parts, sha, source.gguf_name)
     if source.is_dir():
+        check_model_folder(source)  # names a damaged file before transformers reads it
         return ResolvedModel(source, "folder")
     return _convert_into_cache([source], sha256_of_parts([source]), source.name)
 

@@ -58,6 +58,17 @@ def test_config_errors_name_the_bad_value():
         LongDecodeConfig(prompt_tokens=4, tokens=4, budget=2, methods=("no-such",))
     with pytest.raises(ValueError, match="error_steps"):
         LongDecodeConfig(prompt_tokens=4, tokens=4, budget=2, error_steps=(9,))
+    with pytest.raises(ValueError, match="tokens must be >= 2, got 1"):
+        LongDecodeConfig(prompt_tokens=4, tokens=1, budget=2)
+    with pytest.raises(ValueError, match="budget lists 16 more than once"):
+        LongDecodeConfig(prompt_tokens=4, tokens=4, budget=(16, 8, 16))
+    # duplicates by canonical name: snapkv and topk:snapkv are one method
+    with pytest.raises(ValueError, match="methods lists snapkv more than once"):
+        LongDecodeConfig(prompt_tokens=4, tokens=4, budget=2, methods=("snapkv", "topk:snapkv"))
+    # a method no decode budget can hold is refused with the others, before any run
+    for bad in ("kvzip", "ada_snapkv", "prob:h2o/scope=global"):
+        with pytest.raises(ValueError, match=f"method '{bad}': a decode budget"):
+            LongDecodeConfig(prompt_tokens=4, tokens=4, budget=2, methods=("h2o", bad))
 
 
 def test_prose_is_seeded_english():

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from probkv.eval import plots
+from probkv.eval import attention_error_plot, plots
 from probkv.eval.store import CONFIG_FILE, RESULTS_FILE
 from probkv.eval.summary import summarize
 
@@ -219,30 +219,32 @@ def test_plot_run_reads_a_results_folder(tmp_path):
 def test_attention_error_plot(tmp_path):
     path = tmp_path / "ae.json"
     path.write_text(json.dumps(ae_data()))
-    out = plots.plot_attention_error_file(path)
+    out = attention_error_plot.plot_attention_error_file(path)
     assert out == tmp_path / "ae.png"
     assert_png(out, min_width=1200)  # two panels: step 1 and steps 1..4
     # A plain list of rows (no header), one step, works too.
-    assert_png(plots.plot_attention_error(ae_data(steps=(1,))["rows"], tmp_path / "one.png"))
+    assert_png(
+        attention_error_plot.plot_attention_error(ae_data(steps=(1,))["rows"], tmp_path / "one.png")
+    )
 
 
 def test_attention_error_rejects_bad_input(tmp_path):
     for empty in ([], {"rows": []}, {"header": {}}, "text"):
         with pytest.raises(ValueError, match="no attention-error rows"):
-            plots.plot_attention_error(empty, tmp_path / "x.png")
+            attention_error_plot.plot_attention_error(empty, tmp_path / "x.png")
     with pytest.raises(ValueError, match=r"row 0 lacks the field\(s\) \['mae_std'\]"):
-        plots.plot_attention_error(
+        attention_error_plot.plot_attention_error(
             [{"ratio": 0.5, "estimator": "topk", "mae_mean": 0.1}], tmp_path / "x.png"
         )
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     with pytest.raises(ValueError, match="cannot read"):
-        plots.plot_attention_error_file(bad)
+        attention_error_plot.plot_attention_error_file(bad)
     assert not (tmp_path / "x.png").exists()
 
 
 def test_estimator_labels():
-    label = plots.estimator_label
+    label = attention_error_plot.estimator_label
     assert label({"estimator": "topk", "proposal": "h2o"}) == "H2O top-k"
     assert label({"estimator": "topk_proposal", "proposal": "min-h"}) == "top-k of min-h"
     assert label({"estimator": "uncorrected", "proposal": "min-h"}) == "min-h uncorrected"

@@ -5,11 +5,9 @@ configuration is refused unless forced, generated examples are checked on resume
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -47,31 +45,42 @@ def test_read_results_repairs_only_a_cut_last_line(tmp_path):
         read_results(path)
 
 
+# The CLI with results.jsonl's writer wrapped: the process SIGKILLs itself right before
+# writing row KILL_AT (0-based), so the kill lands at the same row on every run, however
+# fast or slow the machine (no polling of the file, no timing).
+KILL_AT = 5
+KILL_BEFORE_ROW = f"""
+import os, signal, sys
+import probkv.cli, probkv.eval.runner as runner
+written = 0
+real_append = runner.append_row
+def append_row(f, row):
+    global written
+    if written == {KILL_AT}:
+        os.kill(os.getpid(), signal.SIGKILL)
+    real_append(f, row)
+    written += 1
+runner.append_row = append_row
+sys.exit(probkv.cli.main())
+"""
+
+
 def test_resume_after_kill(tiny_dir, tmp_path, make_examples, run_methods, run_config):
     """Kill the runner (SIGKILL) after a few result lines, rerun: every job exactly once, and
     the lines written before the kill are kept as they were."""
     data = tmp_path / "data.jsonl"
     write_examples(data, make_examples(num=8, max_new_tokens=16))
     out = tmp_path / "run"
-    args = [sys.executable, "-m", "probkv.cli", "eval", "--model", tiny_dir, "--data", str(data)]
+    args = [sys.executable, "-c", KILL_BEFORE_ROW, "eval", "--model", tiny_dir, "--data", str(data)]
     args += ["--methods", ",".join(run_methods), "--ratios", "0.25,0.5", "--out", str(out)]
     args += ["--no-progress", "--dtype", "float32"]  # run_config's dtype, on any machine
     total = 9 * (1 + (len(run_methods) - 1) * 2)
     results = out / RESULTS_FILE
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if results.exists() and results.read_bytes().count(b"\n") >= 5:
-                break
-            assert proc.poll() is None, "the runner exited before it could be killed"
-            time.sleep(0.005)
-        os.kill(proc.pid, signal.SIGKILL)
-    finally:
-        proc.wait()
+    done = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert done.returncode == -signal.SIGKILL, done.stderr
     before = results.read_bytes()
     written = before.count(b"\n")
-    assert 5 <= written < total, f"killed after {written} of {total} lines: not half way"
+    assert written == KILL_AT < total
     # A crash in the middle of a write leaves a cut line: simulate one on top of the kill.
     with results.open("ab") as f:
         f.write(b'{"id": "niah_single_1-500-0-7", "task": "niah_sin')

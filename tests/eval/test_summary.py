@@ -3,9 +3,12 @@ effective ratios, the Markdown tables; checked against values computed by hand (
 
 from __future__ import annotations
 
+import random
+from pathlib import Path
+
 import pytest
 
-from probkv.eval.summary import format_bytes, summarize, summary_markdown
+from probkv.eval.summary import format_bytes, summarize, summary_markdown, write_summary
 
 
 def hand_rows():
@@ -146,3 +149,55 @@ def test_format_bytes():
     assert format_bytes(512) == "512 B"
     assert format_bytes(96 * 1024) == "96.0 KiB"
     assert format_bytes(25.5 * 2**20) == "25.5 MiB"
+
+
+# -- the same bytes as before the summary was split into parts ------------------------------
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+def golden_rows() -> list[dict]:
+    """Fixed rows of 3 tasks x 5 examples, full and six eviction methods (prob: ones with
+    their top-k versions) at three ratios, some jobs missing (a partial run)."""
+    rng = random.Random(7)
+    methods = ["full", "snapkv", "prob:snapkv", "h2o", "prob:h2o", "prob:min-h/tau=2", "tova"]
+    rows = []
+    for task in ("niah_single_1", "qa", "vt"):
+        for i in range(5):
+            for m in methods:
+                for r in [0.0] if m == "full" else [0.25, 0.5, 0.9]:
+                    if m != "full" and rng.random() < 0.08:
+                        continue
+                    rows.append(
+                        {
+                            "id": f"{task}-{i}",
+                            "task": task,
+                            "method": m,
+                            "ratio": r,
+                            "score": rng.choice([0.0, 0.5, 1.0, rng.random()]),
+                            "effective_ratio": r + rng.random() * 0.01,
+                            "cache_bytes": rng.randint(1000, 5 * 2**20),
+                            "prefill_s": rng.random(),
+                            "decode_s": rng.random(),
+                            "model": "m",
+                            "layers": [
+                                {"layer": k, "effective_ratio": r * rng.random()} for k in range(3)
+                            ],
+                        }
+                    )
+    return rows
+
+
+GOLDEN_CONFIG = {
+    "model": "m",
+    "methods": ["full", "snapkv", "prob:snapkv", "h2o", "prob:h2o", "prob:min-h/tau=2", "tova"],
+    "ratios": [0.25, 0.5, 0.9],
+}
+
+
+def test_summary_files_are_the_bytes_of_the_golden_run(tmp_path):
+    """summary.json and summary.md of fixed rows equal the files written (by probkv before
+    summarize and summary_markdown were split into parts) in tests/eval/golden/."""
+    write_summary(tmp_path, golden_rows(), config=GOLDEN_CONFIG, jobs_total=400)
+    for name in ("summary.json", "summary.md"):
+        assert (tmp_path / name).read_bytes() == (GOLDEN / name).read_bytes(), name

@@ -463,24 +463,32 @@ def measure_attention_error(
     rows: list[dict] = []
     for step, run in runs:
         for ratio in ratios:
-            results: dict[_Estimate, tuple[list[float], list[float]]] = {
-                e: ([], []) for e in estimates
-            }
-            for seed in range(seeds):
-                kept_set = None  # what uncorrected kept at this seed; corrected must keep it
-                for est in estimates:
-                    if est.deterministic and seed > 0:
-                        continue  # top-k does not depend on the seed: computed once
-                    error, effective, kept = run(est.policy(ratio, seed, scope, weights_field))
-                    if not est.deterministic:
-                        kept_set = kept if kept_set is None else kept_set
-                        _check_same_kept(kept_set, kept)
-                    results[est][0].append(error)
-                    results[est][1].append(effective)
+            policy = lambda est, seed, r=ratio: est.policy(r, seed, scope, weights_field)  # noqa: E731
+            results = _over_seeds(run, policy, estimates, seeds)
             rows += [_row(e, ratio, step, *results[e], num_heads) for e in estimates]
             if progress is not None:
                 progress(f"step {step}, ratio {ratio}: done")
     return rows
+
+
+def _over_seeds(
+    run: Callable, policy: Callable, estimates: Sequence[_Estimate], seeds: int
+) -> dict[_Estimate, tuple[list[float], list[float]]]:
+    """``(errors, effective ratios)`` of every estimate over seeds ``0..seeds-1`` (once for a
+    deterministic one): ``run(policy(estimate, seed))`` gives ``(error, effective, kept)``."""
+    results: dict[_Estimate, tuple[list[float], list[float]]] = {e: ([], []) for e in estimates}
+    for seed in range(seeds):
+        kept_set = None  # what uncorrected kept at this seed; corrected must keep it
+        for est in estimates:
+            if est.deterministic and seed > 0:
+                continue  # top-k does not depend on the seed: computed once
+            error, effective, kept = run(policy(est, seed))
+            if not est.deterministic:
+                kept_set = kept if kept_set is None else kept_set
+                _check_same_kept(kept_set, kept)
+            results[est][0].append(error)
+            results[est][1].append(effective)
+    return results
 
 
 def _compounded_error(

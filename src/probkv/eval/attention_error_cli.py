@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from probkv.cli_args import add_dtype_argument, positive_int
+from probkv.cli_args import add_dtype_argument, output_path, positive_int
 from probkv.eval.outputs import check_output_file, remove_quietly
 
 TAUS = "1,2,5,10,50"
@@ -77,7 +77,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         default=3,
         help="number K of seeds (0..K-1) of the sampled estimators (default 3)",
     )
-    parser.add_argument("--out", type=Path, required=True, help="results JSON file")
+    parser.add_argument("--out", type=output_path, required=True, help="results JSON file")
     source = parser.add_mutually_exclusive_group()
     source.add_argument(
         "--prompt-file", type=Path, help="UTF-8 text used in place of the Appendix E text"
@@ -158,7 +158,7 @@ def add_task_command(subparsers: argparse._SubParsersAction) -> None:
         default=3,
         help="seeds 0..K-1 of the sampled methods (default 3)",
     )
-    parser.add_argument("--out", type=Path, required=True, help="results JSON file")
+    parser.add_argument("--out", type=output_path, required=True, help="results JSON file")
     add_example_arguments(parser, per_task=3)
     parser.add_argument(
         "--answer-tokens",
@@ -201,7 +201,7 @@ def run_task_attention_error(args: argparse.Namespace) -> int:
         max_examples=args.max_examples,
         dtype=args.dtype,
     )
-    check_output_file(args.out, "--out")
+    out = check_output_file(args.out, "--out")
     start = time.perf_counter()
     dtype = resolve_dtype_name(args.dtype)
     model, tokenizer = load_model(args.model, dtype=MODEL_DTYPES[dtype])
@@ -258,9 +258,9 @@ def run_task_attention_error(args: argparse.Namespace) -> int:
         "examples": prompts,
         "runtime_s": round(time.perf_counter() - start, 2),
     }
-    write_json(args.out, {"header": header, "rows": rows, "summary": summary})
+    write_json(out, {"header": header, "rows": rows, "summary": summary})
     print(format_summary(summary))
-    print(f"wrote {len(rows)} rows ({len(examples)} examples) to {args.out}")
+    print(f"wrote {len(rows)} rows ({len(examples)} examples) to {out}")
     return 0
 
 
@@ -293,9 +293,9 @@ def run_attention_error(args: argparse.Namespace) -> int:
     """Load the model, build the prompt and decode tokens, measure, write the JSON."""
     from probkv.dtypes import MODEL_DTYPES, resolve_dtype_name
     from probkv.eval import attention_error as ae
-    from probkv.eval.paper_prompt import PAPER_QUESTION, PAPER_TEXT
+    from probkv.eval.paper_prompt import PAPER_QUESTION
     from probkv.hf import prepare_model
-    from probkv.models import load_model
+    from probkv.models import load_model, load_tokenizer, model_max_positions
 
     _, _, weights = ae.validate_arguments(
         ratios=args.ratios,
@@ -307,28 +307,23 @@ def run_attention_error(args: argparse.Namespace) -> int:
         scope=args.scope,
         steps=args.steps,
     )
-    # Everything the user gave is checked before the model loads (issue 11).
-    check_output_file(args.out, "--out")
+    # Everything the user gave is checked before the model loads: a run that can only fail
+    # at its end (an unwritable --out, a prompt past the model's positions) costs nothing.
+    out = check_output_file(args.out, "--out")
     question = PAPER_QUESTION if args.question is None else args.question
     if not question.strip():
         raise ValueError("--question is empty; give a question or omit --question")
     text = None if args.prompt_file is None else read_prompt_file(args.prompt_file)
     start = time.perf_counter()
+    limit = model_max_positions(args.model)
+    if args.prompt_tokens is not None:  # refused before a haystack is even built
+        check_positions("--prompt-tokens", args.prompt_tokens, args.steps, limit)
+    tokenizer = load_tokenizer(args.model)
+    prompt = build_prompt(args, ae, tokenizer, text, question)
+    check_positions("the prompt", len(prompt.context_ids), args.steps, limit)
     dtype = resolve_dtype_name(args.dtype)
     model, tokenizer = load_model(args.model, dtype=MODEL_DTYPES[dtype])
     prepare_model(model)
-    if text is not None:
-        prompt = ae.text_prompt(
-            tokenizer, text, question, format=args.format or "chat", source="file"
-        )
-    elif args.prompt_tokens is not None:
-        prompt = ae.haystack_prompt(
-            tokenizer, args.prompt_tokens, format=args.format or "chat", question=question
-        )
-    else:
-        prompt = ae.text_prompt(
-            tokenizer, PAPER_TEXT, question, format=args.format or "paper", source="paper"
-        )
     decode = ae.decode_tokens(model, prompt, max(args.steps, 1))
     log = lambda message: print(f"[attention-error] {message}", file=sys.stderr)  # noqa: E731
     log(f"prompt: {len(prompt.context_ids)} tokens ({prompt.source}, {prompt.format} format)")
@@ -371,10 +366,40 @@ def run_attention_error(args: argparse.Namespace) -> int:
     )
     header["dtype"] = dtype
     header["runtime_s"] = round(time.perf_counter() - start, 2)
-    write_json(args.out, {"header": header, "rows": rows})
+    write_json(out, {"header": header, "rows": rows})
     print(format_table(rows))
-    print(f"wrote {len(rows)} rows to {args.out}")
+    print(f"wrote {len(rows)} rows to {out}")
     return 0
+
+
+def build_prompt(args: argparse.Namespace, ae, tokenizer, text: str | None, question: str):
+    """The measured prompt: ``--prompt-file``'s text, a ``--prompt-tokens`` haystack, or the
+    paper's Appendix E text (tokenizer only: built before the model loads)."""
+    from probkv.eval.paper_prompt import PAPER_TEXT
+
+    if text is not None:
+        return ae.text_prompt(
+            tokenizer, text, question, format=args.format or "chat", source="file"
+        )
+    if args.prompt_tokens is not None:
+        return ae.haystack_prompt(
+            tokenizer, args.prompt_tokens, format=args.format or "chat", question=question
+        )
+    return ae.text_prompt(
+        tokenizer, PAPER_TEXT, question, format=args.format or "paper", source="paper"
+    )
+
+
+def check_positions(what: str, prompt_tokens: int, steps: int, limit: int) -> None:
+    """Refuse a prompt that, with the ``max(steps, 1)`` decode tokens measured after it,
+    needs more than the model's ``limit`` positions (ValueError naming ``what``)."""
+    need = prompt_tokens + max(steps, 1)
+    if need > limit:
+        raise ValueError(
+            f"{what} ({prompt_tokens} tokens) plus {max(steps, 1)} decode token(s) (--steps) "
+            f"need {need} positions, above the model's limit of {limit} "
+            "(max_position_embeddings); use a shorter prompt"
+        )
 
 
 def read_prompt_file(path: Path) -> str:

@@ -12,6 +12,7 @@ The handlers import the modules that load transformers (the runner, the demo) or
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 import time
 from pathlib import Path
@@ -21,12 +22,13 @@ from probkv.cli_args import (
     add_example_arguments,
     check_example_arguments,
     comma_list,
+    output_path,
     positive_int,
     ratio_list,
 )
 from probkv.eval.config import RunConfig
 from probkv.eval.outputs import check_output_file, check_output_folder
-from probkv.eval.store import SUMMARY_JSON, SUMMARY_MD
+from probkv.eval.store import RESULTS_FILE, SUMMARY_JSON, SUMMARY_MD
 from probkv.eval.summary import summary_markdown
 from probkv.eval.tasks import TASK_NAMES
 from probkv.models import DEFAULT_MODEL
@@ -37,9 +39,20 @@ DEMO_WORKERS = 2
 DEMO_PER_TASK = 3
 DEMO_LENGTH = 1200
 
+#: Exit status of ``eval`` after Ctrl-C (the shell's 128 + SIGINT, as ``probkv.cli``'s) and
+#: when the disk under --out is full (the rows written so far are intact; a rerun resumes).
+INTERRUPTED = 130
+DISK_FULL = 1
+
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
     """Register ``eval``, ``plot`` and ``demo``."""
+    _add_eval(subparsers)
+    _add_plot(subparsers)
+    _add_demo(subparsers)
+
+
+def _add_eval(subparsers: argparse._SubParsersAction) -> None:
     ev = subparsers.add_parser(
         "eval",
         help="evaluate eviction methods on tasks (results, resume, summary)",
@@ -68,7 +81,9 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         help="comma-separated compression ratios in [0, 1) (default 0.5)",
     )
     add_example_arguments(ev, per_task=5)
-    ev.add_argument("--out", required=True, help="output folder (created; reruns resume)")
+    ev.add_argument(
+        "--out", type=output_path, required=True, help="output folder (created; reruns resume)"
+    )
     ev.add_argument(
         "--truncate-middle",
         action="store_true",
@@ -97,6 +112,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     ev.add_argument("--no-progress", action="store_true", help="no progress bar")
     ev.set_defaults(handler=run_eval_command)
 
+
+def _add_plot(subparsers: argparse._SubParsersAction) -> None:
     pl = subparsers.add_parser(
         "plot",
         help="figures of an eval folder or of an attention-error JSON file",
@@ -107,12 +124,18 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
             "long-decode JSON file (NLL gap vs budget per method). PNG files."
         ),
     )
-    pl.add_argument("path", help="eval output folder, or attention-error .json file")
     pl.add_argument(
-        "--out", help="where to write (default: the folder itself / <file>.png beside the file)"
+        "path", type=output_path, help="eval output folder, or attention-error .json file"
+    )
+    pl.add_argument(
+        "--out",
+        type=output_path,
+        help="where to write (default: the folder itself / <file>.png beside the file)",
     )
     pl.set_defaults(handler=run_plot_command)
 
+
+def _add_demo(subparsers: argparse._SubParsersAction) -> None:
     # The demo's defaults are literals here so that `probkv --help` does not import the demo
     # (transformers, matplotlib); tests/eval/test_commands.py checks they equal its constants.
     de = subparsers.add_parser(
@@ -130,7 +153,9 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     de.add_argument(
         "--model", default=DEFAULT_MODEL, help=f"name, .gguf or folder (default {DEFAULT_MODEL})"
     )
-    de.add_argument("--out", default=DEMO_OUT, help=f"output folder (default {DEMO_OUT})")
+    de.add_argument(
+        "--out", type=output_path, default=DEMO_OUT, help=f"output folder (default {DEMO_OUT})"
+    )
     de.add_argument(
         "--workers",
         type=positive_int,
@@ -179,15 +204,29 @@ def run_eval_command(args: argparse.Namespace) -> int:
     )
     print(f"[probkv] model dtype: {config.dtype} (--dtype {args.dtype})", file=sys.stderr)
     start = time.perf_counter()
-    report = run_eval(
-        config,
-        args.out,
-        workers=args.workers,
-        threads=args.threads,
-        force=args.force,
-        reuse_prefill=not args.no_prefill_reuse,
-        progress=not args.no_progress,
-    )
+    results = Path(args.out) / RESULTS_FILE
+    try:
+        report = run_eval(
+            config,
+            args.out,
+            workers=args.workers,
+            threads=args.threads,
+            force=args.force,
+            reuse_prefill=not args.no_prefill_reuse,
+            progress=not args.no_progress,
+        )
+    except KeyboardInterrupt:
+        print(f"probkv eval: interrupted; {_saved(results)}", file=sys.stderr)
+        return INTERRUPTED
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        print(
+            f"probkv eval: error: disk full at {err.filename or args.out} ({err.strerror}); "
+            f"free some space; {_saved(results)}",
+            file=sys.stderr,
+        )
+        return DISK_FULL
     print(summary_markdown(report.summary))
     out = Path(args.out)
     print(
@@ -196,6 +235,13 @@ def run_eval_command(args: argparse.Namespace) -> int:
         f"{out / SUMMARY_MD} and {out / SUMMARY_JSON}; figures: probkv plot {out}"
     )
     return 0
+
+
+def _saved(results: Path) -> str:
+    """What a stopped eval kept (every finished row is fsynced before the next job)."""
+    if results.is_file() and results.stat().st_size > 0:
+        return f"the finished jobs are saved in {results}: rerun the same command to resume"
+    return "no job had finished yet: rerun the same command to start again"
 
 
 def run_plot_command(args: argparse.Namespace) -> int:
@@ -207,7 +253,8 @@ def run_plot_command(args: argparse.Namespace) -> int:
         check_output_folder(path if args.out is None else args.out, flag)
     elif path.is_file():
         check_output_file(path.with_suffix(".png") if args.out is None else args.out, flag)
-    from probkv.eval.plots import plot_attention_error_file, plot_run  # loads matplotlib
+    from probkv.eval.attention_error_plot import plot_attention_error_file  # matplotlib
+    from probkv.eval.plots import plot_run
 
     if path.is_dir():
         figures = plot_run(path, args.out)
@@ -233,7 +280,7 @@ def _read_json_quietly(path: Path):
 
     try:
         return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
 
 

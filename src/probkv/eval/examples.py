@@ -252,6 +252,10 @@ def iter_jsonl(
                 ) from None
             except ValueError as err:
                 raise ValueError(f"{p}:{lineno}: invalid JSON ({err})") from None
+            except RecursionError:  # e.g. 100,000 nested "[": deeper than the parser goes
+                raise ValueError(
+                    f"{p}:{lineno}: invalid JSON (nested too deeply for the JSON parser)"
+                ) from None
             if not isinstance(record, dict):
                 raise ValueError(
                     f"{p}:{lineno}: each line must be a JSON object, got {type(record).__name__}"

@@ -1,4 +1,4 @@
-"""Teacher-forced long decoding under a decode budget (S10.5, issue 12).
+"""Teacher-forced long decoding under a decode budget (S10.5): what a fixed memory costs.
 
 The first ``P`` tokens of a text are the prompt; the next ``N`` are fed one at a time, as if
 generated, into a ``ProbKVCache`` held to ``B`` entries per KV head (``max_entries=B``,
@@ -26,6 +26,7 @@ from probkv._checks import check_positive_int
 from probkv.eval.haystack.stream import word_stream
 from probkv.hf import AttentionRecorder, ProbKVCache, prepare_model
 from probkv.hf.capture import CAPTURE_KWARG
+from probkv.hf.decode_budget import DecodeBudget
 from probkv.policies import method_name, parse_method
 
 FULL = "full"
@@ -50,17 +51,31 @@ class LongDecodeConfig:
     def __post_init__(self) -> None:
         for name in ("prompt_tokens", "tokens", "every", "seeds"):
             check_positive_int(getattr(self, name), name)
+        if self.tokens < 2:
+            raise ValueError(
+                f"tokens must be >= 2, got {self.tokens}: the prompt's forward predicts the "
+                "first token, so only from the second on does a decode step run under the budget"
+            )
         budgets = (self.budget,) if isinstance(self.budget, int) else tuple(self.budget)
         if not budgets:
             raise ValueError("budget is empty; give at least one budget, e.g. 256")
         for b in budgets:
             check_positive_int(b, "budget")
+        _refuse_duplicates("budget", [str(b) for b in budgets])
         object.__setattr__(self, "budget", budgets[0] if len(budgets) == 1 else budgets)
         if not self.methods:
             raise ValueError("methods is empty; give at least one method name, e.g. h2o")
+        names = []
         for m in self.methods:
-            if m != FULL:
-                parse_method(m)  # unknown names fail before any work
+            if m == FULL:
+                continue
+            policy = parse_method(m)  # unknown names fail before any work
+            try:  # and so does a method no decode budget can hold (every one, before any run)
+                DecodeBudget(budgets[0], self.every).check_policy(policy)
+            except ValueError as err:
+                raise ValueError(f"method {m!r}: {err}") from None
+            names.append(method_name(policy))
+        _refuse_duplicates("methods", names)
         steps = self.error_steps
         if steps is None:
             last = self.tokens - 2
@@ -76,6 +91,16 @@ class LongDecodeConfig:
     @property
     def budgets(self) -> tuple[int, ...]:
         return (self.budget,) if isinstance(self.budget, int) else self.budget
+
+
+def _refuse_duplicates(field: str, names: Sequence[str]) -> None:
+    """A name given twice would run twice and be summarised as two seeds: refused."""
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(
+            f"{field} lists {', '.join(repeated)} more than once; give each once (sampled "
+            "methods take --seeds for repeated runs)"
+        )
 
 
 def prose_text(words: int, seed: int = 0) -> str:

@@ -11,7 +11,13 @@ import sys
 import time
 from pathlib import Path
 
-from probkv.cli_args import comma_list, length_list, positive_int
+from probkv.cli_args import (
+    add_dtype_argument,
+    comma_list,
+    length_list,
+    output_path,
+    positive_int,
+)
 
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
@@ -51,7 +57,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         help="comma-separated method names (full is always run)",
     )
     parser.add_argument("--seeds", type=positive_int, default=1, help="seeds per sampled method")
-    parser.add_argument("--out", type=Path, required=True, help="JSON file to write")
+    parser.add_argument("--out", type=output_path, required=True, help="JSON file to write")
+    add_dtype_argument(parser)
     parser.set_defaults(handler=run_long_decode)
 
 
@@ -67,10 +74,32 @@ def read_text(spec: str, words: int) -> str:
     path = Path(spec)
     if not path.is_file():
         raise ValueError(f"--text {spec!r}: no such file (or use prose:SEED)")
-    return path.read_text(encoding="utf-8")
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise ValueError(f"--text {spec!r}: cannot read it ({err.strerror})") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"--text {spec!r}: not valid UTF-8 (byte 0x{data[err.start]:02x} at offset "
+            f"{err.start}); give a UTF-8 text file (iconv -f latin1 -t utf-8 converts one)"
+        ) from None
+
+
+def check_positions(prompt_tokens: int, tokens: int, limit: int) -> None:
+    """Refuse ``--prompt-tokens`` + ``--tokens`` beyond the model's ``limit`` positions
+    (before the model loads: past them the run would only fail, or wrap, at the end)."""
+    if prompt_tokens + tokens > limit:
+        raise ValueError(
+            f"--prompt-tokens {prompt_tokens} + --tokens {tokens} = {prompt_tokens + tokens} "
+            f"positions, above the model's limit of {limit} (max_position_embeddings); "
+            "lower them"
+        )
 
 
 def run_long_decode(args: argparse.Namespace) -> int:
+    from probkv.dtypes import MODEL_DTYPES, resolve_dtype_name
     from probkv.eval.attention_error_cli import write_json
     from probkv.eval.long_decode import (
         LongDecodeConfig,
@@ -78,7 +107,8 @@ def run_long_decode(args: argparse.Namespace) -> int:
         summarise,
         text_token_ids,
     )
-    from probkv.models import load_model
+    from probkv.eval.outputs import check_output_file
+    from probkv.models import load_model, model_max_positions
 
     config = LongDecodeConfig(
         prompt_tokens=args.prompt_tokens,
@@ -88,9 +118,13 @@ def run_long_decode(args: argparse.Namespace) -> int:
         methods=tuple(args.methods),
         seeds=args.seeds,
     )
+    out = check_output_file(args.out, "--out")  # every input is checked before the model loads
     need = args.prompt_tokens + args.tokens
     text = read_text(args.text, words=need * 2)
-    model, tokenizer = load_model(args.model)
+    check_positions(args.prompt_tokens, args.tokens, model_max_positions(args.model))
+    dtype = resolve_dtype_name(args.dtype)
+    print(f"[long-decode] model dtype: {dtype} (--dtype {args.dtype})", file=sys.stderr)
+    model, tokenizer = load_model(args.model, dtype=MODEL_DTYPES[dtype])
     ids = text_token_ids(tokenizer, text, need)
 
     def progress(row: dict) -> None:
@@ -107,6 +141,7 @@ def run_long_decode(args: argparse.Namespace) -> int:
     header = {
         "experiment": "long-decode",
         "model": args.model,
+        "dtype": dtype,
         "text": args.text,
         "prompt_tokens": args.prompt_tokens,
         "tokens": args.tokens,
@@ -117,7 +152,7 @@ def run_long_decode(args: argparse.Namespace) -> int:
         "error_steps": list(config.error_steps),
         "seconds": time.perf_counter() - start,
     }
-    write_json(args.out, {"header": header, "rows": rows, "summary": summarise(rows)})
+    write_json(out, {"header": header, "rows": rows, "summary": summarise(rows)})
     for row in summarise(rows):
         print(
             f"{row['method']:<28} B={row['budget']!s:<5} gap {row['nll_gap']:+.4f}  peak/head "

@@ -1,4 +1,5 @@
-"""Attention error of whole methods on task examples (S7; issue 10).
+"""Attention error of whole methods on task examples (S7): does a ``prob:`` method's output
+stay closer to the full cache's than its top-k version's, on the prompts the task scores use?
 
 :mod:`probkv.eval.attention_error` measures estimators of one proposal on one prompt, from the
 prefill's own statistics. This module measures any method name that ``probkv eval`` takes

@@ -22,6 +22,17 @@ from pathlib import Path
 __all__ = ["check_output_file", "check_output_folder", "remove_quietly"]
 
 
+def _as_path(path: str | os.PathLike[str], flag: str) -> Path:
+    """``path`` as a ``Path``; an empty string is refused (``Path("")`` is the current
+    folder, which an empty ``--out ""`` almost surely did not mean)."""
+    if not os.fspath(path).strip():
+        raise ValueError(
+            f"{flag} {os.fspath(path)!r} is an empty path; give a file or folder name "
+            "(. for the current folder)"
+        )
+    return Path(path)
+
+
 def _nearest_existing(path: Path, flag: str) -> Path:
     """The nearest existing ancestor of ``path`` (itself excluded), which must be a folder."""
     for parent in path.parents:
@@ -49,7 +60,7 @@ def _probe(folder: Path, flag: str, path: Path) -> None:
 def check_output_folder(path: str | os.PathLike[str], flag: str) -> Path:
     """``path`` as a ``Path`` if a folder can be created (or written) there; else a
     ValueError naming ``flag`` and the path (module docstring)."""
-    path = Path(path)
+    path = _as_path(path, flag)
     if path.exists():
         if not path.is_dir():
             raise ValueError(f"{flag} {str(path)!r} exists and is not a folder")
@@ -62,7 +73,7 @@ def check_output_folder(path: str | os.PathLike[str], flag: str) -> Path:
 def check_output_file(path: str | os.PathLike[str], flag: str) -> Path:
     """``path`` as a ``Path`` if a file can be written there (its folder created if
     needed); else a ValueError naming ``flag`` and the path (module docstring)."""
-    path = Path(path)
+    path = _as_path(path, flag)
     if path.is_dir():
         raise ValueError(f"{flag} {str(path)!r} is a folder; give a file name")
     if path.parent.exists():

@@ -22,7 +22,7 @@ from typing import Any
 
 from probkv import __version__
 from probkv.eval.config import RunConfig, describe_difference, stored_identity
-from probkv.eval.examples import Example, write_examples
+from probkv.eval.examples import Example, iter_jsonl, write_examples
 from probkv.eval.outputs import remove_quietly
 from probkv.eval.plan import job_key
 
@@ -123,9 +123,10 @@ def read_numbered_results(
             continue
         try:
             row = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
+            reason = "nested too deeply" if isinstance(err, RecursionError) else err
             raise ValueError(
-                f"{path}:{lineno}: invalid JSON in the results ({err}); only a last line cut "
+                f"{path}:{lineno}: invalid JSON in the results ({reason}); only a last line cut "
                 "short by a crash is repaired automatically"
             ) from None
         add(check_row(row, f"{path}:{lineno}"), lineno)
@@ -133,7 +134,7 @@ def read_numbered_results(
         lineno = len(lines) + 1
         try:
             row = check_row(json.loads(tail), f"{path}:{lineno}")
-        except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+        except (ValueError, RecursionError):  # JSONDecodeError, UnicodeDecodeError included
             row = None
         if row is not None:
             add(row, lineno)
@@ -207,10 +208,19 @@ def _archive(folder: Path) -> Path:
     return target
 
 
+def read_examples_file(path: Path) -> list[dict[str, Any]]:
+    """The records of a run folder's ``examples.jsonl``; a damaged file is a ValueError
+    naming the file and the line (:func:`probkv.eval.examples.iter_jsonl`)."""
+    try:
+        return [record for _, record in iter_jsonl(path)]
+    except ValueError as err:
+        raise ValueError(f"{err}: the run's generated examples are damaged") from None
+
+
 def _check_examples_file(path: Path, examples: Sequence[Example]) -> None:
     """Write the generated examples once; on a resume, check they are still the same."""
     if path.exists():
-        stored = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+        stored = read_examples_file(path)
         if stored != [ex.to_json() for ex in examples]:
             raise ValueError(
                 f"the task generator now produces different examples than {path} (a different "
@@ -230,7 +240,7 @@ def folder_conflict(out: Path, identity: Mapping[str, Any]) -> tuple[str, str] |
     """Why ``out`` cannot take the run of ``identity`` as it is: ``(error, what)`` where
     ``what`` names the files ``--force`` would move away, or ``None`` when it can (absent,
     empty, or the same run). A folder with run files but no readable ``config.json`` cannot:
-    its rows may be another configuration's (issue 11)."""
+    its rows may be another configuration's, and resuming would mix them."""
     if not out.is_dir():
         return None
     previous, problem = read_config(out)
@@ -247,6 +257,11 @@ def folder_conflict(out: Path, identity: Mapping[str, Any]) -> tuple[str, str] |
             f"{out} holds a run with a different configuration ({difference})",
             f"previous run ({difference})",
         )
+    if (out / EXAMPLES_FILE).is_file():  # checked before the model loads, not at the resume
+        try:
+            read_examples_file(out / EXAMPLES_FILE)
+        except ValueError as err:
+            return str(err), f"run with a damaged {EXAMPLES_FILE}"
     return None
 
 
@@ -297,6 +312,8 @@ def read_config(folder: Path) -> tuple[dict[str, Any] | None, str | None]:
         record = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         return None, f"its {CONFIG_FILE} cannot be read ({err})"
+    except RecursionError:
+        return None, f"its {CONFIG_FILE} cannot be read (JSON nested too deeply)"
     if not isinstance(record, dict) or not isinstance(record.get("methods"), list):
         return None, f"its {CONFIG_FILE} is not a probkv eval configuration"
     return record, None

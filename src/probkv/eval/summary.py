@@ -77,6 +77,41 @@ def summarize(
     if not rows:
         raise ValueError("no results rows to summarize (the run has not finished any job)")
     cfg = config.to_json() if isinstance(config, RunConfig) else dict(config or {})
+    _check_rows(rows, row_labels)
+    order = list(cfg.get("methods") or [])
+    order += [m for m in dict.fromkeys(r["method"] for r in rows) if m not in order]
+    methods = [m for m in order if any(r["method"] == m for r in rows)]
+    groups: dict[tuple[str, float], list[Mapping[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["method"], float(r["ratio"])), []).append(r)
+    tasks: dict[str, set[str]] = {}
+    for r in rows:
+        tasks.setdefault(r["task"], set()).add(r["id"])
+    ratios = cfg.get("ratios") or sorted({k[1] for k in groups if k[0] != FULL})
+    total = jobs_total if jobs_total is not None else len(rows)
+    return {
+        "model": cfg.get("model") or rows[0].get("model"),
+        "dtype": cfg.get("dtype") or rows[0].get("dtype") or "float32",
+        "question_aware": cfg.get("question_aware", rows[0].get("question_aware", False)),
+        "tasks": {t: len(ids) for t, ids in sorted(tasks.items())},
+        "num_examples": len({r["id"] for r in rows}),
+        "methods": methods,
+        "ratios": [float(r) for r in ratios],
+        "jobs_done": len(rows),
+        "jobs_total": total,
+        "complete": len(rows) >= total,
+        "entries": _entries(methods, groups),
+        "win_scores": _win_scores(methods, groups),
+        "head_to_head": _head_to_head(methods, groups),
+        "layers": _layers(groups),
+    }
+
+
+Groups = Mapping[tuple[str, float], Sequence[Mapping[str, Any]]]
+
+
+def _check_rows(rows: Sequence[Mapping[str, Any]], row_labels: Sequence[str] | None) -> None:
+    """Every row has the fields a summary reads, finite numbers (errors name the row)."""
     if row_labels is not None and len(row_labels) != len(rows):
         raise ValueError(f"row_labels has {len(row_labels)} labels for {len(rows)} rows")
     for i, r in enumerate(rows):
@@ -91,15 +126,10 @@ def summarize(
                 raise ValueError(f"{where}: field {key!r} must be a number, got {value!r}")
             if not math.isfinite(value):
                 raise ValueError(f"{where}: field {key!r} must be finite, got {value!r}")
-    order = list(cfg.get("methods") or [])
-    order += [m for m in dict.fromkeys(r["method"] for r in rows) if m not in order]
-    methods = [m for m in order if any(r["method"] == m for r in rows)]
-    groups: dict[tuple[str, float], list[Mapping[str, Any]]] = {}
-    for r in rows:
-        groups.setdefault((r["method"], float(r["ratio"])), []).append(r)
-    tasks: dict[str, set[str]] = {}
-    for r in rows:
-        tasks.setdefault(r["task"], set()).add(r["id"])
+
+
+def _entries(methods: Sequence[str], groups: Groups) -> list[dict[str, Any]]:
+    """``summary["entries"]``: one per (method, ratio) with rows (:func:`summarize`)."""
     full_scores = {r["id"]: r["score"] for r in groups.get((FULL, 0.0), ())}
     entries = []
     for method in methods:
@@ -124,6 +154,11 @@ def summarize(
             if full_scores and method != FULL:
                 scores = {r["id"]: r["score"] for r in group}
                 entries[-1]["kept_of_full"] = kept_of_full(scores, full_scores)
+    return entries
+
+
+def _win_scores(methods: Sequence[str], groups: Groups) -> list[dict[str, Any]]:
+    """``summary["win_scores"]``: per ratio, on the examples every eviction method finished."""
     win = []
     for ratio in sorted({k[1] for k in groups if k[0] != FULL}):
         ranked = [m for m in methods if m != FULL and (m, ratio) in groups]
@@ -134,6 +169,11 @@ def summarize(
             continue
         table = score_table(r for m in ranked for r in groups[(m, ratio)] if r["id"] in common)
         win.append({"ratio": ratio, "num_examples": len(common), "scores": win_scores(table)})
+    return win
+
+
+def _head_to_head(methods: Sequence[str], groups: Groups) -> list[dict[str, Any]]:
+    """``summary["head_to_head"]``: each ``prob:`` method against its top-k versions."""
     pairs = []
     for method in methods:
         for reference in _top_k_versions(method):
@@ -153,6 +193,11 @@ def summarize(
                         **head_to_head(table, method, reference),
                     }
                 )
+    return pairs
+
+
+def _layers(groups: Groups) -> list[dict[str, Any]]:
+    """``summary["layers"]``: per (method, ratio), each evicting layer's effective ratio."""
     layers = []
     for (method, ratio), group in groups.items():
         per_layer: dict[int, list[float]] = {}
@@ -170,24 +215,7 @@ def summarize(
                     "effective_ratio_std": [_std(per_layer[i]) for i in idx],
                 }
             )
-    ratios = cfg.get("ratios") or sorted({k[1] for k in groups if k[0] != FULL})
-    total = jobs_total if jobs_total is not None else len(rows)
-    return {
-        "model": cfg.get("model") or rows[0].get("model"),
-        "dtype": cfg.get("dtype") or rows[0].get("dtype") or "float32",
-        "question_aware": cfg.get("question_aware", rows[0].get("question_aware", False)),
-        "tasks": {t: len(ids) for t, ids in sorted(tasks.items())},
-        "num_examples": len({r["id"] for r in rows}),
-        "methods": methods,
-        "ratios": [float(r) for r in ratios],
-        "jobs_done": len(rows),
-        "jobs_total": total,
-        "complete": len(rows) >= total,
-        "entries": entries,
-        "win_scores": win,
-        "head_to_head": pairs,
-        "layers": layers,
-    }
+    return layers
 
 
 def _top_k_versions(method: str) -> list[str]:
@@ -229,15 +257,34 @@ def _entry(summary: Mapping[str, Any], method: str, ratio: float) -> Mapping[str
     return None
 
 
+def _name(method: str) -> str:
+    return "full (no eviction)" if method == FULL else method
+
+
+def _ratio_header(ratios: Sequence[float]) -> list[str]:
+    return ["method", *(f"r = {r:g}" for r in ratios)]
+
+
 def summary_markdown(summary: Mapping[str, Any]) -> str:
     """The summary as Markdown tables: average total score, win score, answers kept of the
     full cache's (runs with ``full``), score per task for each ratio, target vs effective
     compression ratio (Appendix F.2) and timings."""
-    ratios = summary["ratios"]
-    methods = summary["methods"]
-    tasks = summary["tasks"]
+    lines = _overview_lines(summary)
+    if summary["win_scores"]:
+        lines += _win_score_lines(summary)
+    if summary.get("head_to_head"):
+        lines += _head_to_head_lines(summary)
+    if any("kept_of_full" in e for e in summary["entries"]):  # runs with `full`
+        lines += _kept_lines(summary)
+    lines += _task_lines(summary)
+    lines += _ratio_lines(summary)
+    return "\n".join(lines) + "\n"
+
+
+def _overview_lines(summary: Mapping[str, Any]) -> list[str]:
+    """The title, what ran, and the average total score table."""
+    ratios, tasks = summary["ratios"], summary["tasks"]
     mode = "question-aware" if summary.get("question_aware") else "question-agnostic"
-    name = lambda m: "full (no eviction)" if m == FULL else m  # noqa: E731
     lines = [
         f"# probkv eval: {summary['model']}",
         "",
@@ -255,79 +302,98 @@ def summary_markdown(summary: Mapping[str, Any]) -> str:
         "",
     ]
     body = []
-    for m in methods:
+    for m in summary["methods"]:
         cells = [_fmt(e["average_total"]) if (e := _entry(summary, m, r)) else "—" for r in ratios]
-        body.append([name(m), *cells])
-    lines += _table(["method", *(f"r = {r:g}" for r in ratios)], body)
-    if summary["win_scores"]:
-        ranked = [m for m in methods if m != FULL]
-        lines += ["", "## Win score (S7)", ""]
-        lines += [
-            "Mean rank of each eviction method per example (ties count as wins), averaged per "
-            "task, tasks weighted equally, normalised to [0, 1]; `full` is not ranked.",
-            "",
-        ]
-        by_ratio = {w["ratio"]: w for w in summary["win_scores"]}
-        body = []
-        for m in ranked:
-            body.append(
-                [m, *(_fmt(by_ratio[r]["scores"].get(m)) if r in by_ratio else "—" for r in ratios)]
-            )
+        body.append([_name(m), *cells])
+    return lines + _table(_ratio_header(ratios), body)
+
+
+def _win_score_lines(summary: Mapping[str, Any]) -> list[str]:
+    ratios = summary["ratios"]
+    ranked = [m for m in summary["methods"] if m != FULL]
+    lines = ["", "## Win score (S7)", ""]
+    lines += [
+        "Mean rank of each eviction method per example (ties count as wins), averaged per "
+        "task, tasks weighted equally, normalised to [0, 1]; `full` is not ranked.",
+        "",
+    ]
+    by_ratio = {w["ratio"]: w for w in summary["win_scores"]}
+    body = []
+    for m in ranked:
         body.append(
-            [
-                "(examples)",
-                *(str(by_ratio[r]["num_examples"]) if r in by_ratio else "—" for r in ratios),
-            ]
+            [m, *(_fmt(by_ratio[r]["scores"].get(m)) if r in by_ratio else "—" for r in ratios)]
         )
-        lines += _table(["method", *(f"r = {r:g}" for r in ratios)], body)
-    if summary.get("head_to_head"):
-        lines += ["", "## `prob:` methods against their top-k", ""]
-        lines += [
-            "Examples won-lost (ties left out) against the top-k version of the same score, on "
-            "the examples both finished; p: exact two-sided sign test of a tie; then the win "
-            "scores of the two ranked alone (method / top-k).",
-            "",
+    body.append(
+        [
+            "(examples)",
+            *(str(by_ratio[r]["num_examples"]) if r in by_ratio else "—" for r in ratios),
         ]
-        cells: dict[tuple[str, str], dict[float, str]] = {}
-        for h in summary["head_to_head"]:
-            cells.setdefault((h["method"], h["reference"]), {})[h["ratio"]] = (
-                f"+{h['won']}-{h['lost']} (p = {h['p']:.2g}; "
-                f"{_fmt(h['win_score'])} / {_fmt(h['reference_win_score'])})"
-            )
-        body = [[m, ref, *(c.get(r, "—") for r in ratios)] for (m, ref), c in cells.items()]
-        lines += _table(["method", "top-k", *(f"r = {r:g}" for r in ratios)], body)
-    if any("kept_of_full" in e for e in summary["entries"]):  # runs with `full`
-        kept = [m for m in methods if m != FULL]
-        lines += ["", "## Answers kept of the full cache's", ""]
-        lines += [
-            "Sum over examples of min(score, full's score) / sum of full's scores; in brackets "
-            "the examples scored below / above `full` (above: the evicted prompt got right what "
-            "the whole one got wrong; not counted as kept).",
-            "",
-        ]
-        body = []
-        for m in kept:
-            cells = []
-            for r in ratios:
-                e = _entry(summary, m, r)
-                k = None if e is None else e.get("kept_of_full")
-                cells.append(
-                    "—" if k is None else f"{_fmt(k['kept'])} (-{k['below']} / +{k['above']})"
-                )
-            body.append([m, *cells])
-        lines += _table(["method", *(f"r = {r:g}" for r in ratios)], body)
-    for r in ratios:
+    )
+    return lines + _table(_ratio_header(ratios), body)
+
+
+def _head_to_head_lines(summary: Mapping[str, Any]) -> list[str]:
+    ratios = summary["ratios"]
+    lines = ["", "## `prob:` methods against their top-k", ""]
+    lines += [
+        "Examples won-lost (ties left out) against the top-k version of the same score, on "
+        "the examples both finished; p: exact two-sided sign test of a tie; then the win "
+        "scores of the two ranked alone (method / top-k).",
+        "",
+    ]
+    cells: dict[tuple[str, str], dict[float, str]] = {}
+    for h in summary["head_to_head"]:
+        cells.setdefault((h["method"], h["reference"]), {})[h["ratio"]] = (
+            f"+{h['won']}-{h['lost']} (p = {h['p']:.2g}; "
+            f"{_fmt(h['win_score'])} / {_fmt(h['reference_win_score'])})"
+        )
+    body = [[m, ref, *(c.get(r, "—") for r in ratios)] for (m, ref), c in cells.items()]
+    return lines + _table(["method", "top-k", *(f"r = {r:g}" for r in ratios)], body)
+
+
+def _kept_lines(summary: Mapping[str, Any]) -> list[str]:
+    ratios = summary["ratios"]
+    lines = ["", "## Answers kept of the full cache's", ""]
+    lines += [
+        "Sum over examples of min(score, full's score) / sum of full's scores; in brackets "
+        "the examples scored below / above `full` (above: the evicted prompt got right what "
+        "the whole one got wrong; not counted as kept).",
+        "",
+    ]
+    body = []
+    for m in (m for m in summary["methods"] if m != FULL):
+        cells = []
+        for r in ratios:
+            e = _entry(summary, m, r)
+            k = None if e is None else e.get("kept_of_full")
+            cells.append("—" if k is None else f"{_fmt(k['kept'])} (-{k['below']} / +{k['above']})")
+        body.append([m, *cells])
+    return lines + _table(_ratio_header(ratios), body)
+
+
+def _task_lines(summary: Mapping[str, Any]) -> list[str]:
+    tasks = summary["tasks"]
+    lines: list[str] = []
+    for r in summary["ratios"]:
         lines += ["", f"## Score per task, r = {r:g}", ""]
         body = []
-        for m in methods:
+        for m in summary["methods"]:
             e = _entry(summary, m, r)
             if e is None:
                 continue
             body.append(
-                [name(m), *(_fmt(e["task_scores"].get(t)) for t in tasks), _fmt(e["average_total"])]
+                [
+                    _name(m),
+                    *(_fmt(e["task_scores"].get(t)) for t in tasks),
+                    _fmt(e["average_total"]),
+                ]
             )
         lines += _table(["method", *tasks, "average total"], body)
-    lines += ["", "## Target vs effective compression ratio (Appendix F.2)", ""]
+    return lines
+
+
+def _ratio_lines(summary: Mapping[str, Any]) -> list[str]:
+    lines = ["", "## Target vs effective compression ratio (Appendix F.2)", ""]
     lines += [
         "Effective ratio: fraction of the prompt's cache entries evicted, mean over layers and "
         "KV heads; mean ± std over examples. Cache: bytes held right after eviction.",
@@ -337,7 +403,7 @@ def summary_markdown(summary: Mapping[str, Any]) -> str:
     for e in summary["entries"]:
         body.append(
             [
-                name(e["method"]),
+                _name(e["method"]),
                 f"{e['ratio']:g}",
                 f"{e['effective_ratio_mean']:.3f} ± {e['effective_ratio_std']:.3f}",
                 format_bytes(e["cache_bytes_mean"]),
@@ -346,19 +412,8 @@ def summary_markdown(summary: Mapping[str, Any]) -> str:
                 str(e["num_examples"]),
             ]
         )
-    lines += _table(
-        [
-            "method",
-            "target r",
-            "effective r",
-            "cache",
-            "prefill + evict s",
-            "decode s",
-            "examples",
-        ],
-        body,
-    )
-    return "\n".join(lines) + "\n"
+    header = ["method", "target r", "effective r", "cache", "prefill + evict s", "decode s"]
+    return lines + _table([*header, "examples"], body)
 
 
 def write_summary(

@@ -31,9 +31,9 @@ nothing, where it lifts the average score and the win score; such examples are c
 **Head to head** (not in the paper). Two methods on the examples both have: examples won,
 lost and tied, the win score of the two ranked alone, and an exact two-sided sign test of
 "neither is better" (ties dropped). Ranked alone, ``A``'s win score minus ``B``'s is the
-task-weighted mean of ``(won - lost) / examples``, so "A's win score >= B's" (issue 10's
-second bar) is a statement about the won-lost count, and the sign test says whether that
-count is more than the noise of a tie.
+task-weighted mean of ``(won - lost) / examples``, so "A's win score >= B's" (the bar a
+``prob:`` method must clear against its top-k version) is a statement about the won-lost
+count, and the sign test says whether that count is more than the noise of a tie.
 """
 
 from __future__ import annotations
