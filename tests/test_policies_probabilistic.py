@@ -738,12 +738,8 @@ def test_span_designs_global_property(lengths, heads, ratio, core, block, order,
         "units=spans/block=4",
         "core=0.5/units=spans/block=3",
         "scope=global/core=0.5/units=spans/block=4",
-        "units=spans/block=6/gap=2",
-        "scope=global/core=0.5/units=spans/block=8/gap=1",
-        "coordination=positive",
-        "coordination=negative/core=0.5/units=spans/block=4",
-        "scope=global/coordination=positive/core=0.5/units=spans/block=8",
-        "scope=global/coordination=negative/core=0.5/units=spans/block=8",
+        "units=spans/block=6",
+        "scope=global/core=0.5/units=spans/block=8",
     ],
 )
 def test_span_designs_corrected_total_is_unbiased(options):
@@ -784,45 +780,6 @@ def test_span_options_fail_naming_the_value():
         ProbabilisticPolicy(units="words")
     with pytest.raises(ValueError, match="designs of sampler='pps'"):
         ProbabilisticPolicy(sampler="with_replacement", units="spans")
-    with pytest.raises(ValueError, match=r"gap must be an integer >= 0 .*got -1"):
-        ProbabilisticPolicy(units="spans", gap=-1)
-    with pytest.raises(
-        ValueError, match=r"gap=1 bridges .* needs units='spans', got units='blocks'"
-    ):
-        ProbabilisticPolicy(units="blocks", gap=1)
-    with pytest.raises(
-        ValueError, match="coordination must be one of 'none', 'positive', 'negative'; got 'yes'"
-    ):
-        ProbabilisticPolicy(coordination="yes")
-    with pytest.raises(ValueError, match="coordination='positive' is a design of sampler='pps'"):
-        ProbabilisticPolicy(sampler="with_replacement", coordination="positive")
-
-
-@pytest.mark.parametrize("scope", ["head", "global"])
-def test_coordination_keeps_positions_together_or_apart_across_heads_and_layers(scope):
-    """S10.4: heads of any layer with the same proposal (and budget) keep the same positions
-    with coordination=positive, with the same weights; the default independent systematic
-    draws keep different ones, and coordination=negative keeps different ones with the same
-    weights (same P); the kept set depends on the seed."""
-    base = 2 * torch.randn(1, 60, generator=gen(11))
-    obs = [synthetic(base.expand(3, -1).clone(), 0, i) for i in range(2)]
-    method = f"prob:h2o/scope={scope}/block=1/units=spans/core=0.2"
-    positive = parse_method(f"{method}/coordination=positive", ratio=0.6)
-    sel = positive.select(obs, num_layers=2)
-    first_idx, first_logw = sel[0].head(0)
-    for layer in sel:
-        for h in range(3):
-            idx, logw = layer.head(h)
-            assert torch.equal(idx, first_idx) and torch.equal(logw, first_logw)
-    for other in (method, f"{method}/coordination=negative"):
-        layers = parse_method(other, ratio=0.6).select(obs, num_layers=2)
-        assert len({tuple(x.head(h)[0].tolist()) for x in layers for h in range(3)}) > 1
-    reseeded = dataclasses.replace(positive, seed=1).select(obs, num_layers=2)
-    assert not torch.equal(reseeded[0].head(0)[0], first_idx)
-    assert "/coordination=positive" in method_name(positive)
-    assert parse_method(method_name(positive), ratio=0.6) == positive
-
-
 @pytest.mark.parametrize("scope", ["head", "global"])
 def test_spans_of_one_entry_are_the_entries(scope):
     """units=spans with block=1 draws exactly what units=blocks with block=1 draws (every
@@ -866,165 +823,6 @@ def test_spans_keep_a_heavy_run_whole():
     )
     assert whole["entries"] == 0
     assert abs(whole["spans"] / 200 - p_run) <= 5 * math.sqrt(p_run * (1 - p_run) / 200)
-
-
-def test_gap_keeps_a_run_with_a_separator_whole():
-    """gap=1: a heavy run split by one light separator (a UUID's ``-``) is one unit: over seeds
-    the nine entries are kept or dropped together; without the bridge the two halves are
-    separate units, kept apart in some seeds."""
-    t = 64
-    log_scores = torch.zeros(1, t)
-    log_scores[0, 20:24] = log_scores[0, 25:30] = 0.7
-    log_scores[0, 24] = -1.0  # the separator, below the mean
-    obs = synthetic(log_scores, 0)
-    split = {0: 0, 1: 0}
-    for seed in range(200):
-        for gap in (0, 1):
-            policy = ProbabilisticPolicy(
-                score="h2o", ratio=0.95, core=0.0, seed=seed, units="spans", block=16, gap=gap
-            )
-            (sel,) = policy.select([obs], num_layers=1)
-            kept = set(sel.head(0)[0].tolist()) & set(range(20, 30))
-            split[gap] += len(kept) not in (0, 10)
-    assert split[1] == 0 and split[0] > 0
-
-
-# ------------------------------------------------ a tail from another score (S10.2)
-
-
-def tail_observations(layers: int = 1, *, t: int = 50, hkv: int = 2, window: int = 4, seed=51):
-    """kvzip-like observations (last ``window`` entries forced) whose ``related_log_scores``
-    hold independent ``h2o-rec`` and ``min-rec`` log-scores (forced entries as the score's)."""
-    out = []
-    for layer in range(layers):
-        g = gen(seed + layer)
-        obs = synthetic(2 * torch.randn(hkv, t, generator=g), window, layer)
-        related = {}
-        for name in ("h2o-rec", "min-rec"):
-            ls = (2 * torch.randn(hkv, t, generator=g)).float()
-            ls[obs.forced] = FORCED_LOG_SCORE
-            related[name] = ls
-        out.append(dataclasses.replace(obs, related_log_scores=related))
-    return out
-
-
-def test_tail_core_by_the_score_the_rest_pps_of_the_tail():
-    """S10.2 tail, per head: the core is the floor(f b) entries of largest *score*; every other
-    kept entry has -log P_i with P the pps of the *tail's* proposal restricted to the other
-    entries; with the tail the weights differ from the score's own proposal's."""
-    method = "prob:kvzip/scope=head/core=0.5/block=1/units=blocks/order=position"
-    policy = parse_method(f"{method}/tail=h2o-rec", ratio=0.7)
-    (obs,) = tail_observations()
-    obs = policy._with_forced(obs)
-    tail_pi = proposal_from_log_scores(obs.related_log_scores["h2o-rec"], forced=obs.forced)
-    assert torch.equal(policy.proposal(obs), tail_pi)  # the sampled stratum's proposal
-    b = budget(50, 0.7) - 4
-    differs = False
-    for seed in range(4):
-        (sel,) = dataclasses.replace(policy, seed=seed).select([obs], num_layers=1)
-        (own,) = parse_method(f"{method}/seed={seed}", ratio=0.7).select([obs], num_layers=1)
-        for h in range(2):
-            core = reference_core(obs.log_scores[h], obs.forced[h], floor_fraction(0.5, b))
-            assert_core_then_pps(sel.head(h), core, tail_pi[h].double(), forced=4, sampled=b)
-            differs |= not torch.equal(sel.head(h)[1], own.head(h)[1])
-    assert differs
-
-
-def test_global_tail_weighs_heads_by_the_score_and_entries_by_the_tail():
-    """S10.2 tail with scope=global, against a slow reference: the core is the top floor(f S)
-    raw scores over every head of both layers; the rest is one pps scale lam with
-    P_hi = min(1, lam m_h pi_hi) where m_h = sum_i exp(score_hi) over the head's non-forced
-    entries (kvzip is on the attention scale) and pi_h is the tail's proposal; lam (found by
-    bisection) makes the expected count the rest of the budget."""
-    policy = parse_method(
-        "prob:kvzip/core=0.5/block=1/units=blocks/order=position/tail=min-rec", ratio=0.75
-    )
-    obs = [policy._with_forced(o) for o in tail_observations(2, t=40, hkv=2)]
-    sels = policy.select(obs, num_layers=2)
-    total = sum(budget(40, 0.75) - 4 for _ in range(4))  # (1 - r) t exact in floats
-    keys = [
-        (o.layer_idx, h, i, float(o.log_scores[h, i]))
-        for o in obs
-        for h in range(2)
-        for i in range(36)
-    ]
-    ranked = sorted(keys, key=lambda x: -x[3])
-    core = {(layer, h, i) for layer, h, i, _ in ranked[: math.floor(0.5 * total)]}
-    heads = []
-    for o in obs:
-        pi = proposal_from_log_scores(o.related_log_scores["min-rec"], forced=o.forced).double()
-        for h in range(2):
-            mass = float(o.log_scores[h, :36].double().exp().sum())
-            heads.append((o.layer_idx, h, mass, pi[h] / pi[h].sum()))
-    top = max(m for _, _, m, _ in heads)
-    rest = total - len(core)
-
-    def inclusion(lam):
-        return {
-            (layer, h, i): min(1.0, lam * m / top * float(pi[i]))
-            for layer, h, m, pi in heads
-            for i in range(36)
-            if (layer, h, i) not in core
-        }
-
-    lo, hi = 0.0, 1.0
-    while sum(inclusion(hi).values()) < rest:
-        hi *= 2
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if sum(inclusion(mid).values()) < rest else (lo, mid)
-    P = inclusion(hi)
-    for o, sel in zip(obs, sels):
-        for h in range(2):
-            idx, logw = sel.head(h)
-            kept = set(idx.tolist())
-            assert {i for layer, hh, i in core if layer == o.layer_idx and hh == h} <= kept
-            for i, w in zip(idx.tolist(), logw.double().tolist()):
-                if (o.layer_idx, h, i) in core or i >= 36:
-                    assert w == 0.0
-                else:
-                    assert w == pytest.approx(-math.log(P[(o.layer_idx, h, i)]), rel=1e-6)
-
-
-@pytest.mark.parametrize(
-    "options",
-    [
-        "scope=head/core=0.25/block=1/units=blocks/tail=h2o-rec",
-        "scope=head/tail=min-rec",  # spans of at most 32, core 0.5, random order
-        "tail=h2o-rec",  # global scope
-    ],
-)
-def test_tail_corrected_total_is_unbiased(options):
-    """S10.2: with the tail's proposal the weights 1 / P keep the Horvitz-Thompson total
-    unbiased: over N seeds the mean of sum_{i kept} w_i f_i is within 5 standard errors of
-    sum_i f_i (non-forced entries of the first head; forced entries have weight 1)."""
-    policy = parse_method(f"prob:kvzip/{options}", ratio=0.6)
-    (obs,) = tail_observations(hkv=1, t=40)
-    f = torch.linspace(0.1, 2.0, 40, dtype=F64) ** 2
-    n = 400
-    totals = corrected_totals(policy, obs, f, range(n))
-    se = float(totals.std()) / math.sqrt(n)
-    assert se > 0
-    assert abs(float(totals.mean()) - float(f.sum())) <= 5 * se
-
-
-def test_tail_names_and_refusals():
-    """The tail's canonical name, its default (the score itself) and bad values, by name."""
-    policy = parse_method("prob:kvzip/tail=h2o-rec", ratio=0.5)
-    assert policy.tail == "h2o-rec" and method_name(policy) == "prob:kvzip/tail=h2o-rec"
-    assert parse_method(method_name(policy), ratio=0.5) == policy
-    assert parse_method("prob:kvzip/tail=kvzip", ratio=0.5) == parse_method("prob:kvzip", 0.5)
-    with pytest.raises(ValueError, match=r"tail must be one of .*; got 'h2o-recc'"):
-        ProbabilisticPolicy(score="kvzip", tail="h2o-recc")
-    with pytest.raises(ValueError, match=r"tail='kvzip' with score='h2o': .*kvzip, h2o-rec"):
-        ProbabilisticPolicy(score="h2o", tail="kvzip")
-    with pytest.raises(ValueError, match="tail='h2o' with score='kvzip'"):
-        ProbabilisticPolicy(score="kvzip", tail="h2o")
-    with pytest.raises(ValueError, match="tail='min-rec' is a design of sampler='pps'"):
-        ProbabilisticPolicy(score="kvzip", tail="min-rec", sampler="with_replacement")
-    bare = synthetic(torch.randn(2, 30, generator=gen(3)))
-    with pytest.raises(ValueError, match="tail='h2o-rec': layer 0's observation has no"):
-        policy.select([bare], num_layers=1)
 
 
 # ------------------------------------------------------------- calibrated weights (S9)

@@ -180,9 +180,6 @@ VALUES = {
     "block": ["1", "4", "8"],
     "order": ["position", "random"],
     "units": ["blocks", "spans"],
-    "gap": ["0", "1", "2"],
-    "coordination": ["none", "positive", "negative"],
-    "tail": ["kvzip", "h2o-rec", "min-rec"],
     "pool": ["1", "3", "7"],
     "calibrate": ["inf", "0.01", "1"],
 }
@@ -191,33 +188,13 @@ SPAN_DEFAULTS = {  # S10: designs of pps
     "block=1",
     "order=position",
     "units=blocks",
-    "gap=0",
-    "coordination=none",
 }
-SPAN_OPTIONS = ("core", "block", "order", "units", "gap", "coordination")
+SPAN_OPTIONS = ("core", "block", "order", "units")
 
 
 def span_design_without_pps(options: list[str]) -> bool:
     span = [o for o in options if o.split("=")[0] in SPAN_OPTIONS]
     return "sampler=with_replacement" in options and not set(span) <= SPAN_DEFAULTS
-
-
-def gap_without_spans(name: str, options: list[str]) -> bool:
-    """A gap > 0 where the units (given, or the method's default) are not spans."""
-    if not any(o.startswith("gap=") and o != "gap=0" for o in options):
-        return False
-    units = [o for o in options if o.startswith("units=")]
-    return units != ["units=spans"] and (units or name != "prob:kvzip")
-
-
-def tail_refused(name: str, options: list[str]) -> bool:
-    """A tail other than the score itself where the score is not a reconstruction score or the
-    sampler is not pps (S10.2; refused by name, tests/test_policies_probabilistic.py)."""
-    tails = [o.split("=")[1] for o in options if o.startswith("tail=")]
-    score = name.split(":")[-1]
-    if not tails or tails[0] == score:
-        return False
-    return not needs_reconstruction(score) or "sampler=with_replacement" in options
 
 
 def calibrate_refused(name: str, options: list[str]) -> bool:
@@ -238,8 +215,6 @@ def test_parse_and_name_round_trip(data):
     keys = data.draw(st.lists(st.sampled_from(method_options(name)), unique=True, max_size=5))
     options = [f"{k}={data.draw(st.sampled_from(VALUES[k]))}" for k in keys]
     assume(not span_design_without_pps(options))  # refused by name (test below)
-    assume(not gap_without_spans(name, options))  # refused by name (test below)
-    assume(not tail_refused(name, options))
     assume(not calibrate_refused(name, options))
     spec = "/".join([name, *options])
     ratio = data.draw(st.sampled_from([0.0, 0.25, 0.5, 0.9]))
@@ -334,8 +309,6 @@ def test_method_options_per_family():
             r"block=1",
         ),
         ("prob:h2o/sampler=with_replacement/units=spans", "designs of sampler='pps'"),
-        ("prob:h2o/gap=1", "gap=1 bridges low entries inside spans: it needs units='spans'"),
-        ("prob:kvzip/gap=two", "gap must be an integer >= 0"),
         ("prob:h2o/sampler=with_replacement/order=random", "designs of sampler='pps'"),
         ("prob:h2o/sampler=with_replacement/core=0.5", "designs of sampler='pps'"),
     ],

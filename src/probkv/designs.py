@@ -16,12 +16,6 @@ budget and the Horvitz-Thompson weights ``1 / P`` (so S4's correction stays unbi
 - the visiting order of systematic sampling (S10.4): ``visit_order`` (position, or a seeded
   random permutation), ``systematic_sample_ordered`` (pure: the offset is an argument) and
   ``sample_design``, which draws a design's kept entries;
-- coordinated Poisson sampling (S10.4): ``permanent_numbers`` draws one uniform number per
-  position, shared by every head of every layer, and ``sample_design_coordinated`` keeps a
-  unit when the number at its first entry (shifted by the head's offset, modulo 1) is below
-  ``P_k``: the same marginals ``P_k`` and weights, a random kept count; with no offsets heads
-  keep the same positions together (positive coordination), with ``spread_offsets`` they keep
-  them apart (negative coordination).
 
 Conventions (as ``probkv.sampling``): rows ``[R, t]``, one per KV head; float64 arithmetic;
 entries with ``pi = 0`` are outside the design (always-kept or core entries, kept by the caller
@@ -43,14 +37,6 @@ from probkv._checks import check_choice, check_ratio
 
 ORDERS = ("position", "random")
 """Visiting orders of systematic sampling (S10.4)."""
-
-COORDINATIONS = ("none", "positive", "negative")
-"""How heads' samples relate (S10.4): independent systematic draws, or Poisson draws from
-shared permanent random numbers, unshifted (``positive``) or spread by head (``negative``)."""
-# Stream of the permanent random numbers: seeded by the policy's seed only (never the layer),
-# so every layer of one eviction, and every later eviction with that seed, shares them.
-PRN_STREAM = 99_991
-GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0  # the golden ratio's fractional part (spread_offsets)
 
 UNITS = ("blocks", "spans")
 """Sampling units of the pps designs (S10.3): ``"blocks"``, runs of ``block`` consecutive
@@ -256,7 +242,7 @@ def blocks(eligible: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tens
     return units, sizes
 
 
-def spans(p: torch.Tensor, block: int, gap: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def spans(p: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Partition each row's eligible entries (``p > 0``) into spans (S10.3, ``units="spans"``).
 
     An entry is *high* when its ``p`` is at least the mean of ``p`` over the row's eligible
@@ -267,26 +253,16 @@ def spans(p: torch.Tensor, block: int, gap: int = 0) -> tuple[torch.Tensor, torc
     surely (a number's digits) is kept or dropped whole, with the probability of the run.
     ``block = 1``: every entry is a unit (S9's pps).
 
-    ``gap``: a run of at most ``gap`` low entries between two high ones joins the span, so a
-    separator the model predicts easily (the ``-`` of a UUID, the ``.`` of a date) does not
-    split it. The cut still depends on the proposal only.
-
     Returns ``(units, sizes)`` as ``blocks`` does (``K`` = the largest number of units of a row).
     """
     _rows(p, "p")
     block = check_block(block)
-    gap = check_gap(gap)
     eligible = p > 0
     rows, t = p.shape
     count = eligible.sum(-1, keepdim=True)
     mean = torch.where(eligible, p, 0.0).sum(-1, keepdim=True) / count.clamp(min=1)
     high = eligible & (p >= mean)
     rank = eligible.to(torch.int64).cumsum(-1) - 1
-    if gap > 0:  # bridge: the high entries before and after are at most gap + 1 ranks apart
-        far = t + gap + 2  # no high entry on that side: never within gap + 1
-        before = torch.where(high, rank, -far).cummax(-1).values
-        after = torch.where(high, rank, far).flip(-1).cummin(-1).values.flip(-1)
-        high = high | (eligible & (after - before <= gap + 1))
     position = torch.arange(t, device=p.device).expand(rows, t)
     # the previous eligible entry of each entry (-1: none), and whether it is high
     last = torch.where(eligible, position, -1).cummax(-1).values
@@ -300,21 +276,6 @@ def spans(p: torch.Tensor, block: int, gap: int = 0) -> tuple[torch.Tensor, torc
     sizes = torch.zeros(rows, num_units, dtype=torch.int64, device=p.device)
     sizes.scatter_add_(-1, units.clamp(min=0), eligible.to(torch.int64))
     return units, sizes
-
-
-def check_gap(gap: int, units: str = "spans", name: str = "gap") -> int:
-    """Low entries bridged inside a span (``spans``): an integer ``>= 0``, and 0 unless
-    ``units`` is ``"spans"``."""
-    if isinstance(gap, bool) or not isinstance(gap, numbers.Integral) or gap < 0:
-        raise ValueError(
-            f"{name} must be an integer >= 0 (low entries bridged inside a span), got {gap!r}"
-        )
-    if gap > 0 and units != "spans":
-        raise ValueError(
-            f"{name}={gap!r} bridges low entries inside spans: it needs units='spans', "
-            f"got units={units!r}"
-        )
-    return int(gap)
 
 
 def check_units(units: str) -> str:
@@ -357,11 +318,11 @@ def _capped(mass: torch.Tensor, num: torch.Tensor, den: torch.Tensor) -> torch.T
 
 
 def _units(
-    p: torch.Tensor, block: int, kind: str = "blocks", gap: int = 0
+    p: torch.Tensor, block: int, kind: str = "blocks"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(units, sizes, masses)`` of the blocks (or spans) of the entries with ``p > 0``."""
-    check_gap(gap, check_units(kind))
-    units, sizes = blocks(p > 0, block) if kind == "blocks" else spans(p, block, gap)
+    check_units(kind)
+    units, sizes = blocks(p > 0, block) if kind == "blocks" else spans(p, block)
     masses = torch.zeros(sizes.shape, dtype=torch.float64, device=p.device)
     masses.scatter_add_(-1, units.clamp(min=0), torch.where(units >= 0, p, 0.0))
     return units, sizes, masses
@@ -374,7 +335,6 @@ def block_design(
     *,
     outside: torch.Tensor | None = None,
     units: str = "blocks",
-    gap: int = 0,
 ) -> UnitDesign:
     """Block pps per row (S10.3): units of ``block`` consecutive entries with ``pi > 0`` not
     ``outside``, ``P_k = min(1, lam M_k)`` with ``sum_k |B_k| P_k = n`` (expected entries kept).
@@ -393,10 +353,9 @@ def block_design(
         outside: optional bool ``[R, t]``: more entries left out of the design (the core).
         units: ``"blocks"`` (runs of ``block`` entries) or ``"spans"`` (``spans``: runs of
             above-average proposal, at most ``block`` entries, after ``outside`` is removed).
-        gap: with ``units="spans"``, the longest run of low entries bridged inside a span.
     """
     p = _mass(pi, outside, "pi")
-    unit_of, sizes, masses = _units(p, block, units, gap)
+    unit_of, sizes, masses = _units(p, block, units)
     num, den = capped_scale(masses, sizes, _per_row(n, p.shape[0], "n", p.device))
     return UnitDesign(unit_of, _capped(masses, num, den), sizes, units)
 
@@ -422,7 +381,6 @@ def block_design_global(
     outside: Sequence[torch.Tensor] | None = None,
     row_mass: Sequence[torch.Tensor] | None = None,
     units: str = "blocks",
-    gap: int = 0,
 ) -> list[UnitDesign]:
     """``block_design`` with one ``lam`` for every row of every tensor (scope "global", S9):
     ``sum`` over all heads of ``sum_k |B_k| P_k`` is ``n``. With ``block = 1`` this is
@@ -431,7 +389,7 @@ def block_design_global(
     head's weight against the others, 1 if None), before ``outside`` (one mask per tensor)
     zeroes entries, so ``lam`` compares the heads as weighed: ``P = min(1, lam m_h pi)`` on the
     remaining entries. A head's own expected size is then real, and its kept count random
-    (``sample_design``). ``units`` and ``gap`` as in ``block_design`` (spans are cut per row, on
+    (``sample_design``). ``units`` as in ``block_design`` (spans are cut per row, on
     its own mean)."""
     if not isinstance(pis, (list, tuple)) or len(pis) == 0:
         raise ValueError("pis must be a non-empty list of tensors [rows, t]")
@@ -440,7 +398,7 @@ def block_design_global(
         raise ValueError(f"outside must hold one mask per tensor ({len(pis)}), got {len(masks)}")
     weights = sampling.row_masses(row_mass, pis)
     parts = [
-        _units(_mass(p, o, f"pis[{i}]", row_mass=w), block, units, gap)
+        _units(_mass(p, o, f"pis[{i}]", row_mass=w), block, units)
         for i, (p, o, w) in enumerate(zip(pis, masks, weights))
     ]
     flat_mass = torch.cat([m.reshape(1, -1) for _, _, m in parts], -1)
@@ -551,89 +509,4 @@ def sample_design(design: UnitDesign, order: str, generator: torch.Generator) ->
         (rows, 1), generator=generator, dtype=torch.float64, device=design.inclusion.device
     )
     kept_units = systematic_sample_ordered(design.inclusion, visit, offset[:, 0])
-    return kept_units.gather(-1, design.units.clamp(min=0)) & (design.units >= 0)
-
-
-# ----------------------------------------------------- coordinated Poisson sampling (S10.4)
-
-
-def permanent_numbers(
-    t: int, seed: int, *, device: torch.device | str | None = None
-) -> torch.Tensor:
-    """float64 ``[t]``: one uniform number in ``[0, 1)`` per position (S10.4's permanent random
-    numbers), from a generator seeded with ``seed`` alone. Positions, not heads or layers, own
-    the numbers, so every head that draws with them (``sample_design_coordinated``) sees the
-    same number at the same position."""
-    if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 1:
-        raise ValueError(f"t must be a positive integer (positions), got {t!r}")
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-        raise ValueError(f"seed must be an integer, got {seed!r}")
-    generator = torch.Generator(device=device or "cpu")
-    generator.manual_seed(int(seed) * 100_003 + PRN_STREAM)
-    return torch.rand(int(t), generator=generator, dtype=torch.float64, device=device)
-
-
-def first_entries(design: UnitDesign) -> torch.Tensor:
-    """int64 ``[R, K]``: the position of each unit's first entry (``t`` for padding units)."""
-    rows, t = design.units.shape
-    pos = torch.arange(t, device=design.units.device).expand(rows, t)
-    first = torch.full(design.inclusion.shape, t, dtype=torch.int64, device=pos.device)
-    inside = design.units >= 0
-    return first.scatter_reduce(
-        -1, design.units.clamp(min=0), torch.where(inside, pos, t), "amin", include_self=True
-    )
-
-
-def spread_offsets(head_ids: torch.Tensor) -> torch.Tensor:
-    """float64 offsets ``frac(g h)`` of global head numbers ``h`` (``g`` the golden ratio's
-    fractional part, S10.4's negative coordination): any run of ``n`` consecutive heads gets
-    offsets nearly evenly spread over ``[0, 1)`` (three-gap theorem: the gaps between them take
-    at most three values, none above ``2.7 / n``), so the shifted numbers of one position in
-    those heads are spread too."""
-    h = torch.as_tensor(head_ids)
-    if h.dtype not in (torch.int32, torch.int64) or (h < 0).any():
-        raise ValueError(f"head_ids must be non-negative integers, got {h!r}")
-    return torch.frac(h.to(torch.float64) * GOLDEN)
-
-
-def sample_design_coordinated(
-    design: UnitDesign, numbers_: torch.Tensor, offsets: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The kept entries of a design by coordinated Poisson sampling (S10.4): bool ``[R, t]``.
-
-    Unit ``k`` of row ``r`` is kept iff ``frac(u[f_k] + o_r) < P_k``, ``u = numbers_``
-    (``permanent_numbers``), ``f_k`` its first position and ``o_r = offsets[r]`` (0 if
-    ``None``). The units are a function of the proposal alone and ``frac(u + o)`` is uniform
-    and independent of it for any fixed ``o``, so entry ``i`` is kept with probability exactly
-    ``P_i`` (its unit's) and ``1 / P_i`` weights stay unbiased. Units of one row start at
-    different positions, so within a head the draws are independent (Poisson sampling: the
-    kept count is random, ``sum_k |B_k| P_k`` in expectation). Across heads, units that start
-    at the same position share ``u``: with equal offsets (positive coordination) heads with the
-    same ``P`` keep the same units and a head keeps a unit whenever a head with smaller ``P``
-    there does (joint keep ``min(P_a, P_b)``); with offsets spread over ``[0, 1)`` (negative
-    coordination) they keep it apart: ``n`` heads with offsets ``r / n`` and equal ``P`` keep
-    it in exactly ``floor(nP)`` or ``ceil(nP)`` of them, never all or none by chance
-    (``spread_offsets`` are close to that spacing for any run of consecutive heads).
-    """
-    t = design.units.shape[-1]
-    u = torch.as_tensor(numbers_)
-    if u.ndim != 1 or u.shape[0] < t or not torch.is_floating_point(u):
-        raise ValueError(
-            f"numbers_ must be a float tensor [>= {t}] (permanent_numbers), got shape "
-            f"{tuple(u.shape)} and dtype {u.dtype}"
-        )
-    if not ((u >= 0) & (u < 1)).all():
-        raise ValueError("numbers_ must lie in [0, 1)")
-    u = u[:t].to(device=design.inclusion.device, dtype=torch.float64)
-    numbers_at = u[first_entries(design).clamp(max=t - 1)]
-    if offsets is not None:
-        o = torch.as_tensor(offsets, dtype=torch.float64, device=u.device)
-        if o.shape != design.inclusion.shape[:1] or not ((o >= 0) & (o < 1)).all():
-            raise ValueError(
-                f"offsets must be a tensor [{design.inclusion.shape[0]}] in [0, 1), got "
-                f"shape {tuple(o.shape)}"
-            )
-        numbers_at = torch.frac(numbers_at + o.unsqueeze(-1))
-    # padding units (first position t) have P = 0 and are never kept
-    kept_units = numbers_at < design.inclusion
     return kept_units.gather(-1, design.units.clamp(min=0)) & (design.units >= 0)

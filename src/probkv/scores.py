@@ -23,7 +23,7 @@ from typing import Literal
 import torch
 
 from probkv._checks import check_choice, check_odd_int, check_positive_int
-from probkv.designs import UNITS, check_gap
+from probkv.designs import UNITS
 from probkv.reconstruction import (
     DEFAULT_CHUNK_TOKENS,
     h2o_reconstruction,
@@ -164,8 +164,6 @@ class ScoreSpec:
     drawn globally over entries ranked by reconstruction, spans of at most 32 entries (runs
     of above-average proposal, so a number's digits are kept or dropped together;
     docs/evaluation.md, "Spans for `prob:kvzip`").
-    ``prob_gap``: the longest run of below-average entries bridged inside a span (spans only;
-    default 0).
     ``prob_uniform_mix``, ``prob_tau``: the proposal's weight against the uniform distribution
     (S2's defensive mixture) and the weight temperature (S4) of ``prob:<score>``'s pps by
     default: 1 and 1 but for ``tova`` (mixture 0.5: its one-query proposal gives most entries
@@ -187,7 +185,6 @@ class ScoreSpec:
     prob_uniform_mix: float = 1.0
     prob_tau: float = 1.0
     prob_units: Literal["blocks", "spans"] = "blocks"
-    prob_gap: int = 0
 
     def __post_init__(self) -> None:
         # A row that cannot be called as declared fails at import, not at the first prefill.
@@ -211,7 +208,6 @@ class ScoreSpec:
         if not self.prob_tau > 0.0:
             raise ValueError(f"{self.function.__name__}: prob_tau must be > 0")
         check_choice(self.prob_units, UNITS, "prob_units")
-        check_gap(self.prob_gap, self.prob_units, "prob_gap")
         if isinstance(self.last_rows, str):
             check_choice(self.last_rows, self.params, "last_rows")
         else:

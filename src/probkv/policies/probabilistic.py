@@ -57,7 +57,6 @@ PLAIN_DEFAULTS = {
     "core": 0.0,
     "block": 1,
     "units": "blocks",
-    "gap": 0,
 }
 WEIGHTS = ("counts", "inclusion")
 
@@ -104,21 +103,9 @@ class ProbabilisticPolicy(EvictionPolicy):
       ``units`` = ``"blocks"`` (the runs of ``block`` entries above) or ``"spans"`` (runs of
       entries of above-average proposal, at most ``block`` long, are the units, every other
       entry a unit of its own: a needle's tokens are kept or dropped together, the kept count
-      is random around the budget; ``designs.spans``); ``gap`` (spans only) = the longest run
-      of below-average entries bridged inside a span (a UUID's ``-``; default the score's
-      ``prob_gap``, 0); ``coordination`` = ``"none"`` (independent
-      systematic draws per head), ``"positive"`` or ``"negative"``: coordinated Poisson
-      sampling instead (``order`` is then unused): one permanent random number per position
-      from ``seed``, shared by every head of every layer (shifted by a head's spread offset,
-      ``"negative"``), keeps a unit when the number at its first entry is below ``P``
-      (``designs.sample_design_coordinated``; same ``P`` and weights, random kept count;
-      heads keep the same positions together, or apart).
+      is random around the budget; ``designs.spans``).
       Scope "global": the core is the ``floor(f S)`` entries of largest proposal over all heads
       of all layers (``S`` the global sampled budget), then one pps scale for the rest.
-    - ``tail`` (pps, reconstruction scores only; S10.2): another reconstruction score whose
-      proposal draws the sampled stratum (its spans and weights ``1 / P``), while the core, the
-      forced entries and the global scope's head masses stay ``score``'s; one reconstruction
-      pass gives every reconstruction score (``LayerObservation.related_log_scores``).
 
     Forced entries (the score's, e.g. SnapKV's window, plus the recent ones) are kept with
     weight 1 and count against the budget; if they exceed a head's budget (a short prompt at
@@ -148,10 +135,7 @@ class ProbabilisticPolicy(EvictionPolicy):
     block: int | None = None  # None: the score's prob_block for sampler="pps", 1 otherwise
     order: str | None = None  # None: PPS_ORDER for sampler="pps", "position" otherwise
     units: str | None = None  # None: the score's prob_units for sampler="pps", else "blocks"
-    gap: int | None = None  # None: the score's prob_gap for sampler="pps", 0 otherwise
     pool: int = 1
-    coordination: str = "none"
-    tail: str | None = None  # None: the sampled stratum is drawn from score's own proposal
     calibrate: float = math.inf  # S9 ridge of calibrated weights; inf = the design's weights
 
     # Fields whose defaults depend on these (core, block, order, units, tau, uniform_mix on the
@@ -248,49 +232,19 @@ class ProbabilisticPolicy(EvictionPolicy):
             object.__setattr__(self, "order", PPS_ORDER if pps else "position")
 
     def _check_span_options(self) -> None:
-        """S10: ``core``, ``block``, ``order``, ``units``, ``gap`` (pps designs), ``pool``."""
+        """S10: ``core``, ``block``, ``order``, ``units`` (pps designs), ``pool``."""
         core = check_fraction(self.core, "core", what="share of the sampled budget taken top-k")
         object.__setattr__(self, "core", core)
         designs.check_block(self.block)
         check_choice(self.order, designs.ORDERS, "order")
         designs.check_units(self.units)
-        object.__setattr__(self, "gap", designs.check_gap(self.gap, self.units))
         proposals.check_pool_kernel(self.pool)
-        check_choice(self.coordination, designs.COORDINATIONS, "coordination")
-        self._check_tail()
-        if self.coordination != "none" and self.sampler != "pps":
-            raise ValueError(
-                f"coordination={self.coordination!r} is a design of sampler='pps' (S10.4), "
-                f"got sampler={self.sampler!r}"
-            )
         if self.sampler != "pps" and self._span_design:
             raise ValueError(
                 f"core={self.core!r}, block={self.block!r}, order={self.order!r}, "
                 f"units={self.units!r}: these are designs of sampler='pps' (S10.2-S10.4); "
                 f"sampler={self.sampler!r} allows only core=0, block=1, order='position', "
                 "units='blocks'"
-            )
-
-    def _check_tail(self) -> None:
-        """S10.2 ``tail``: another reconstruction score whose proposal draws the sampled
-        stratum (the same pass gives every reconstruction score, S10.1)."""
-        if self.tail is None:
-            return
-        check_choice(self.tail, scores.SCORE_TABLE, "tail")
-        if self.tail == self.score:
-            object.__setattr__(self, "tail", None)  # the default, one canonical policy
-            return
-        both = (self.score, self.tail)
-        if not all(scores.needs_reconstruction(s) for s in both):
-            raise ValueError(
-                f"tail={self.tail!r} with score={self.score!r}: a tail is another score read "
-                "from the same reconstruction pass, so both must be among "
-                f"{', '.join(scores.RECONSTRUCTION_SCORES)}"
-            )
-        if self.sampler != "pps":
-            raise ValueError(
-                f"tail={self.tail!r} is a design of sampler='pps' (S10.2: core by the score, "
-                f"the sampled stratum by the tail), got sampler={self.sampler!r}"
             )
 
     @property
@@ -300,7 +254,6 @@ class ProbabilisticPolicy(EvictionPolicy):
             or self.block > 1
             or self.order != "position"
             or self.units != "blocks"
-            or self.coordination != "none"
         )
 
     @property
@@ -315,27 +268,12 @@ class ProbabilisticPolicy(EvictionPolicy):
         """``[Hkv, t]`` log-scores max-pooled over positions with kernel ``pool`` (S10)."""
         return proposals.max_pool_log_scores(obs.log_scores, self.pool, forced=obs.forced)
 
-    def _tail_scores(self, obs: LayerObservation, pooled: torch.Tensor) -> torch.Tensor:
-        """The pooled log-scores the proposal is built from: ``pooled`` (the score's own), or
-        the ``tail`` score's from ``obs.related_log_scores`` (S10.2)."""
-        if self.tail is None:
-            return pooled
-        if self.tail not in obs.related_log_scores:
-            have = ", ".join(sorted(obs.related_log_scores)) or "none"
-            raise ValueError(
-                f"tail={self.tail!r}: layer {obs.layer_idx}'s observation has no log-scores of "
-                f"{self.tail!r} (it has: {have}); the reconstruction pass computes them"
-            )
-        tail = obs.related_log_scores[self.tail].to(obs.log_scores.device)
-        return proposals.max_pool_log_scores(tail, self.pool, forced=obs.forced)
-
     def proposal(self, obs: LayerObservation, pooled: torch.Tensor | None = None) -> torch.Tensor:
-        """``[Hkv, t]``: zero on forced entries, full support on the others (S2); the sampled
-        stratum's proposal, so the ``tail`` score's if set. ``pooled``: ``pooled_scores(obs)``
-        if already computed."""
+        """``[Hkv, t]``: zero on forced entries, full support on the others (S2). ``pooled``:
+        ``pooled_scores(obs)`` if already computed."""
         pooled = self.pooled_scores(obs) if pooled is None else pooled
         return proposals.proposal_from_log_scores(
-            self._tail_scores(obs, pooled),
+            pooled,
             tau=self.proposal_tau,
             uniform_mix=self.uniform_mix,
             forced=obs.forced,
@@ -372,14 +310,7 @@ class ProbabilisticPolicy(EvictionPolicy):
             keys = [k[rows[i]].double() for k, i in zip(ranked, live)]
             masses = self._head_masses(keys) if live else None
         if self._span_design:  # S10.2-S10.4
-            head_ids = None  # heads numbered across layers: only negative coordination uses them
-            if self.coordination == "negative":
-                head_ids = [
-                    observations[i].layer_idx * observations[i].num_heads
-                    + torch.arange(observations[i].num_heads, device=rows[i].device)[rows[i]]
-                    for i in live
-                ]
-            draw = functools.partial(self._draw_span, keys, head_ids)
+            draw = functools.partial(self._draw_span, keys)
         drawn = []
         if live:
             drawn = draw(
@@ -471,7 +402,7 @@ class ProbabilisticPolicy(EvictionPolicy):
             out.append((kept, logw))
         return out
 
-    def _draw_span(self, keys, head_ids, pis, forced, head_budgets, generator, masses=None):
+    def _draw_span(self, keys, pis, forced, head_budgets, generator, masses=None):
         """S10.2-S10.4: a deterministic core, then pps over blocks visited in ``order``;
         weights 1 on the core, ``1 / P`` of the entry's block elsewhere."""
         if self.scope == "global":
@@ -486,7 +417,6 @@ class ProbabilisticPolicy(EvictionPolicy):
                 outside=cores,
                 row_mass=masses,
                 units=self.units,
-                gap=self.gap,
             )
         else:
             cores, units = [], []
@@ -496,22 +426,11 @@ class ProbabilisticPolicy(EvictionPolicy):
                 cores.append(core)
                 rest = sampled - core.sum(-1)
                 units.append(
-                    designs.block_design(
-                        pi, rest, self.block, outside=core, units=self.units, gap=self.gap
-                    )
+                    designs.block_design(pi, rest, self.block, outside=core, units=self.units)
                 )
-        numbers = None
-        if self.coordination != "none":  # S10.4: one number per position for every head
-            t = max(pi.shape[-1] for pi in pis)
-            numbers = designs.permanent_numbers(t, self.seed, device=pis[0].device)
         out = []
-        for i, (pi, core, design) in enumerate(zip(pis, cores, units)):
-            if numbers is None:
-                drawn = designs.sample_design(design, self.order, generator)
-            else:
-                offsets = None if head_ids is None else designs.spread_offsets(head_ids[i])
-                drawn = designs.sample_design_coordinated(design, numbers, offsets)
-            kept = drawn | core
+        for pi, core, design in zip(pis, cores, units):
+            kept = designs.sample_design(design, self.order, generator) | core
             logw = None
             if self.corrected:
                 inclusion = torch.where(core, 1.0, design.entry_inclusion)
