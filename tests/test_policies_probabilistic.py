@@ -780,6 +780,8 @@ def test_span_options_fail_naming_the_value():
         ProbabilisticPolicy(units="words")
     with pytest.raises(ValueError, match="designs of sampler='pps'"):
         ProbabilisticPolicy(sampler="with_replacement", units="spans")
+
+
 @pytest.mark.parametrize("scope", ["head", "global"])
 def test_spans_of_one_entry_are_the_entries(scope):
     """units=spans with block=1 draws exactly what units=blocks with block=1 draws (every

@@ -249,12 +249,7 @@ class ProbabilisticPolicy(EvictionPolicy):
 
     @property
     def _span_design(self) -> bool:
-        return (
-            self.core > 0
-            or self.block > 1
-            or self.order != "position"
-            or self.units != "blocks"
-        )
+        return self.core > 0 or self.block > 1 or self.order != "position" or self.units != "blocks"
 
     @property
     def layerwise(self) -> bool:
