@@ -27,16 +27,15 @@ from probkv.designs import (
     block_design,
     block_design_global,
     blocks,
-    capped_scale,
     core_size,
     global_budget,
     sample_design,
     spans,
-    systematic_sample_ordered,
     top_entries,
     top_entries_global,
     visit_order,
 )
+from probkv.sampling import capped_scale, systematic_sample_ordered
 
 torch.set_num_threads(1)
 F64 = torch.float64

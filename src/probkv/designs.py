@@ -14,8 +14,11 @@ budget and the Horvitz-Thompson weights ``1 / P`` (so S4's correction stays unbi
   ``units="spans"`` cuts the units where the proposal does instead (``spans``): a run of
   above-average entries (a number's digits) is one unit of at most ``block`` entries;
 - the visiting order of systematic sampling (S10.4): ``visit_order`` (position, or a seeded
-  random permutation), ``systematic_sample_ordered`` (pure: the offset is an argument) and
-  ``sample_design``, which draws a design's kept entries;
+  random permutation) and ``sample_design``, which draws a design's kept entries with
+  ``sampling.systematic_sample_ordered``.
+
+The capping that finds ``lam`` and the systematic draw are ``probkv.sampling``'s (one
+implementation of pps: ``sampling.capped_scale`` takes units of any size);
 
 Conventions (as ``probkv.sampling``): rows ``[R, t]``, one per KV head; float64 arithmetic;
 entries with ``pi = 0`` are outside the design (always-kept or core entries, kept by the caller
@@ -41,10 +44,6 @@ ORDERS = ("position", "random")
 UNITS = ("blocks", "spans")
 """Sampling units of the pps designs (S10.3): ``"blocks"``, runs of ``block`` consecutive
 entries; ``"spans"``, runs of above-average proposal of at most ``block`` entries (``spans``)."""
-
-SNAP = 1e-9
-"""A total inclusion within ``SNAP`` (relative) of an integer is that integer (float rounding),
-as in ``sampling.systematic_sample``."""
 
 
 @dataclass(frozen=True)
@@ -283,40 +282,6 @@ def check_units(units: str) -> str:
     return check_choice(units, UNITS, "units")
 
 
-def capped_scale(
-    mass: torch.Tensor, sizes: torch.Tensor, n: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``lam = num / den`` per row with ``sum_k |B_k| min(1, lam M_k) = n`` (S10.3 capping).
-
-    S9's iterative capping with units of unequal sizes: sorting units by decreasing mass and
-    capping the ``c`` largest leaves ``lam_c = (n - W_c) / S_c`` with ``W_c`` the entries of the
-    capped units and ``S_c = sum_{j >= c} |B_j| M_j``; the sum is non-decreasing and continuous
-    in ``lam``, and the solution is the smallest ``c`` with ``(n - W_c) M_(c) <= S_c``. With all
-    sizes 1 this is ``sampling._pps_scale`` (the same floating-point operations). ``den = 0``
-    when ``n`` is at least the row's total size (every unit gets ``P = 1``), ``num = 0`` when
-    ``n = 0``.
-
-    Args: ``mass`` float64 ``[R, K]`` non-negative, ``sizes`` int64 ``[R, K]``, ``n`` float64
-    ``[R]`` non-negative. Returns float64 ``(num, den)``, each ``[R]``.
-    """
-    pad = mass.new_zeros(mass.shape[0], 1)  # sentinel: some c always qualifies
-    s, order = torch.cat([mass, pad], -1).sort(-1, descending=True)  # ties: equal values
-    z = torch.cat([sizes.to(torch.float64), pad], -1).gather(-1, order)
-    capped = z.cumsum(-1) - z  # W_c
-    rest = (z * s).flip(-1).cumsum(-1).flip(-1)  # S_c
-    nn = n.unsqueeze(-1)
-    ok = ((nn - capped) * s <= rest) & (capped < nn)
-    first = ok.to(torch.int8).argmax(-1, keepdim=True)  # n = 0: none qualifies, num = 0
-    num = torch.where(n > 0, n - capped.gather(-1, first).squeeze(-1), 0.0)
-    return num, rest.gather(-1, first).squeeze(-1)
-
-
-def _capped(mass: torch.Tensor, num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
-    """``min(1, (num / den) M)`` as ``num * (M / den)`` (as ``sampling._capped``)."""
-    num, den = num.unsqueeze(-1), den.unsqueeze(-1)
-    return torch.where((mass > 0) & (num > 0), (num * (mass / den)).clamp(max=1.0), 0.0)
-
-
 def _units(
     p: torch.Tensor, block: int, kind: str = "blocks"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -356,8 +321,8 @@ def block_design(
     """
     p = _mass(pi, outside, "pi")
     unit_of, sizes, masses = _units(p, block, units)
-    num, den = capped_scale(masses, sizes, _per_row(n, p.shape[0], "n", p.device))
-    return UnitDesign(unit_of, _capped(masses, num, den), sizes, units)
+    num, den = sampling.capped_scale(masses, sizes, _per_row(n, p.shape[0], "n", p.device))
+    return UnitDesign(unit_of, sampling.capped(masses, num, den), sizes, units)
 
 
 def global_budget(
@@ -403,8 +368,9 @@ def block_design_global(
     ]
     flat_mass = torch.cat([m.reshape(1, -1) for _, _, m in parts], -1)
     flat_sizes = torch.cat([s.reshape(1, -1) for _, s, _ in parts], -1)
-    num, den = capped_scale(flat_mass, flat_sizes, _per_row(n, 1, "n", flat_mass.device))
-    return [UnitDesign(u, _capped(m, num, den), s, units) for u, s, m in parts]
+    n_all = _per_row(n, 1, "n", flat_mass.device)
+    num, den = sampling.capped_scale(flat_mass, flat_sizes, n_all)
+    return [UnitDesign(u, sampling.capped(m, num, den), s, units) for u, s, m in parts]
 
 
 # ------------------------------------------------------------- visiting order (S10.4)
@@ -433,55 +399,6 @@ def visit_order(
     return keys.argsort(dim=-1, stable=True)
 
 
-def systematic_sample_ordered(
-    inclusion: torch.Tensor, order: torch.Tensor, offset: torch.Tensor
-) -> torch.Tensor:
-    """Systematic sampling visiting units in ``order``, for a given offset (S9, S10.4).
-
-    Per row, units are laid end to end in the order ``order[r, 0], order[r, 1], ...`` as
-    intervals of lengths ``P_k``; unit ``k`` is kept iff its interval ``[C_(k-1), C_k)``
-    contains a point of ``offset + {0, 1, 2, ...}``. Units with ``P = 1`` are always kept and
-    left out of the sums (an interval of length 1 holds exactly one point), as are zeros
-    (never kept). For an offset uniform on ``[0, 1)``, unit ``k`` is kept with probability
-    exactly ``P_k`` whatever the order; the order decides which units are kept together. A row
-    keeps ``floor(sum P)`` or ``ceil(sum P)`` units (``round`` when the sum is within ``SNAP``
-    of an integer). With ``order`` the identity this is ``sampling.systematic_sample``.
-
-    Args:
-        inclusion: float ``[R, K]`` in ``[0, 1]``.
-        order: int64 ``[R, K]``, a permutation of ``0..K-1`` per row (``visit_order``).
-        offset: float ``[R]`` in ``[0, 1)``.
-
-    Returns:
-        bool ``[R, K]``, indexed like ``inclusion``.
-    """
-    P = _rows(inclusion, "inclusion").to(torch.float64)
-    if not torch.isfinite(P).all() or (P < 0).any() or (P > 1).any():
-        raise ValueError("inclusion probabilities must lie in [0, 1]")
-    if not isinstance(order, torch.Tensor) or order.shape != P.shape:
-        raise ValueError(f"order must be an int64 tensor of shape {tuple(P.shape)}")
-    if order.dtype != torch.int64 or (order < 0).any() or (order >= P.shape[-1]).any():
-        raise ValueError("order must hold a permutation of 0..K-1 in every row")
-    seen = torch.zeros_like(order).scatter_add_(-1, order, torch.ones_like(order))
-    if not (seen == 1).all():
-        raise ValueError("order must hold a permutation of 0..K-1 in every row")
-    u = torch.as_tensor(offset, dtype=torch.float64, device=P.device)
-    if u.shape != P.shape[:1] or not ((u >= 0) & (u < 1)).all():
-        raise ValueError(f"offset must be a tensor [{P.shape[0]}] in [0, 1)")
-    P = P.gather(-1, order)
-    take_all = P == 1.0
-    cum = torch.where(take_all, 0.0, P).cumsum(-1)
-    total = cum[..., -1:]
-    whole = total.round()
-    snap = (total - whole).abs() <= SNAP * whole.clamp(min=1.0)
-    cum = torch.where(snap, torch.minimum(cum, whole), cum)
-    cum[..., -1:] = torch.where(snap, whole, total)
-    points = torch.ceil(cum - u.unsqueeze(-1))  # points u + j (j >= 0) below C_k
-    before = torch.cat([torch.zeros_like(points[..., :1]), points[..., :-1]], -1)
-    hit = take_all | (points > before)
-    return torch.zeros_like(hit).scatter(-1, order, hit)
-
-
 def sample_design(design: UnitDesign, order: str, generator: torch.Generator) -> torch.Tensor:
     """The kept entries of a design (S10.3, S10.4): bool ``[R, t]``.
 
@@ -508,5 +425,5 @@ def sample_design(design: UnitDesign, order: str, generator: torch.Generator) ->
     offset = torch.rand(
         (rows, 1), generator=generator, dtype=torch.float64, device=design.inclusion.device
     )
-    kept_units = systematic_sample_ordered(design.inclusion, visit, offset[:, 0])
+    kept_units = sampling.systematic_sample_ordered(design.inclusion, visit, offset[:, 0])
     return kept_units.gather(-1, design.units.clamp(min=0)) & (design.units >= 0)
