@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from fractions import Fraction
+from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -21,9 +24,18 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from probkv import designs, sample_size, sampling
+from probkv import designs, estimator, sample_size, sampling, scores
 from probkv.observation import observe_layer
-from probkv.policies import LayerObservation, ProbabilisticPolicy, method_name, parse_method
+from probkv.policies import (
+    LayerObservation,
+    ProbabilisticPolicy,
+    method_name,
+    method_options,
+    parse_method,
+    prob_designs,
+)
+from probkv.policies.base import check_fraction
+from probkv.policies.probabilistic import SEEDS
 from probkv.proposals import FLOOR, max_pool_log_scores, proposal_from_log_scores
 from probkv.scores import FORCED_LOG_SCORE, SCORE_NAMES, needs_reconstruction
 
@@ -403,14 +415,14 @@ def test_bad_fields_fail_at_construction_naming_the_value():
     with pytest.raises(ValueError, match="sampler must be one of 'with_replacement', 'pps'"):
         ProbabilisticPolicy(sampler="poisson")
     with pytest.raises(ValueError, match="weights must be one of 'counts', 'inclusion'"):
-        ProbabilisticPolicy(weights="pps")
+        ProbabilisticPolicy(sampler="with_replacement", weights="pps")
     with pytest.raises(ValueError, match=r"tau must be > 0.*got 0"):
         ProbabilisticPolicy(tau=0)
     with pytest.raises(ValueError, match=r"uniform_mix must be in \(0, 1\]"):
         ProbabilisticPolicy(uniform_mix=0.0)
     with pytest.raises(ValueError, match="correct must be True or False, got 'yes'"):
         ProbabilisticPolicy(correct="yes")
-    with pytest.raises(ValueError, match=r"seed must be an integer, got 1\.5"):
+    with pytest.raises(ValueError, match=r"seed must be an integer in \[0, .*got 1\.5"):
         ProbabilisticPolicy(seed=1.5)
     with pytest.raises(ValueError, match=r"ratio must be in \[0, 1\)"):
         ProbabilisticPolicy(ratio=1.0)
@@ -864,3 +876,153 @@ def test_calibrated_selections_need_tensors_and_reference_queries():
     plain = parse_method("prob:kvzip", ratio=0.5).select([with_rows], num_layers=1)[0]
     assert torch.equal(out.indices, plain.indices) and torch.equal(out.lengths, plain.lengths)
     assert not torch.equal(out.log_weights, plain.log_weights)
+
+
+# ----------------------------------------------- the parts and their one place of defaults
+
+
+@dataclasses.dataclass(frozen=True)
+class Poisson(prob_designs.Design):
+    """Poisson pps (docs/architecture.md's worked example): entry i kept independently with
+    P_i = min(1, lam pi_i), sum P_i = share * (the head's budget after forced entries)."""
+
+    NAME: ClassVar[str] = "poisson"
+    OPTIONS: ClassVar[tuple[str, ...]] = ("share",)
+    WHY_NOT: ClassVar[Mapping[str, str]] = {"weights": "poisson weighs by 1 / P_i"}
+    share: float
+
+    def __post_init__(self) -> None:
+        check_fraction(self.share, "share", what="share of the sampled budget")
+
+    def draw(self, stratum, weighting, generator):
+        out = []
+        for pi, forced, b in zip(stratum.pis, stratum.forced, stratum.budgets):
+            n = self.share * (b - forced).clamp(min=0).double()
+            P = sampling.capped(pi, *sampling.capped_scale(pi, None, n))
+            kept = torch.rand(pi.shape, generator=generator, dtype=pi.dtype) < P
+            logw = None
+            if weighting.correct:
+                logw = estimator.pps_log_weights(pi, kept, P, tau=weighting.tau)
+            out.append((kept, logw))
+        return out
+
+
+def test_adding_a_design_is_one_class_in_one_module(monkeypatch):
+    """A temporary sampler added as docs/architecture.md says (one class, one DESIGNS entry,
+    its option's default in DEFAULTS, all in probkv.policies.prob_designs) is a method name
+    with its option, round-trips, refuses the other samplers' options and is refused by them,
+    and draws with unbiased Horvitz-Thompson weights (5 standard errors over 400 seeds)."""
+    monkeypatch.setitem(prob_designs.DESIGNS, "poisson", Poisson)
+    monkeypatch.setitem(prob_designs.DEFAULTS, "share", {"*": 1.0, "kvzip": 0.5})
+    policy = parse_method("prob:h2o/sampler=poisson/share=0.8", ratio=0.6)
+    assert policy.design == Poisson(share=0.8) and policy.share == 0.8
+    assert "share" in method_options("prob:h2o")
+    assert method_name(policy) == "prob:h2o/sampler=poisson/share=0.8"
+    assert parse_method(method_name(policy), ratio=0.6) == policy
+    assert method_name(parse_method("prob:kvzip/sampler=poisson/share=0.5")) == (
+        "prob:kvzip/sampler=poisson"
+    )
+    assert ProbabilisticPolicy(score="h2o", ratio=0.6, sampler="poisson", share=0.8) == policy
+    with pytest.raises(ValueError, match=r"share=0\.5 does nothing with sampler='pps'"):
+        parse_method("prob:h2o/share=0.5")
+    with pytest.raises(ValueError, match=r"core=0\.5 does nothing with sampler='poisson'"):
+        parse_method("prob:h2o/sampler=poisson/core=0.5")
+    with pytest.raises(ValueError, match="weights='counts' does nothing with sampler='poisson'"):
+        parse_method("prob:h2o/sampler=poisson/weights=counts")
+    with pytest.raises(ValueError, match=r"share must be in \[0, 1\]"):
+        parse_method("prob:h2o/sampler=poisson/share=2")
+    policy, obs = one_layer("prob:h2o/sampler=poisson/uniform_mix=0.5", t=40, hkv=1)
+    f = torch.linspace(0.1, 2.0, 40, dtype=F64) ** 2
+    totals = corrected_totals(policy, obs, f, range(400))
+    assert abs(float(totals.mean()) - float(f.sum())) <= 5 * float(totals.std()) / 20
+    assert "poisson" not in prob_designs.DESIGNS or prob_designs.DESIGNS["poisson"] is Poisson
+
+
+def test_parts_refuse_options_that_change_nothing():
+    """One spelling per behaviour: pps has no weights option (always 1 / P), tau=inf is
+    correct=false, a finite tau with correct=false is refused, and so are the pps designs with
+    the with-replacement sampler; each refusal names the option and why."""
+    with pytest.raises(ValueError, match=r"weights='counts' does nothing with sampler='pps': "):
+        parse_method("prob:h2o/weights=counts")
+    with pytest.raises(ValueError, match="pps always weighs a kept entry by 1 / P_i"):
+        ProbabilisticPolicy(score="h2o", weights="inclusion")
+    assert parse_method("prob:h2o/tau=inf") == parse_method("prob:h2o/correct=false")
+    assert parse_method("prob:h2o/correct=false/tau=inf") == parse_method("prob:h2o/correct=false")
+    assert method_name(parse_method("prob:h2o/tau=inf")) == "prob:h2o/correct=false"
+    uncorrected = parse_method("prob:streaming_llm/correct=false")  # its pps tau 2 is not set
+    assert "tau" not in uncorrected.option_values() and not uncorrected.corrected
+    with pytest.raises(ValueError, match="tau=2 with correct=false: tau tempers the"):
+        parse_method("prob:h2o/correct=false/tau=2")
+    with pytest.raises(ValueError, match="tau=1 with correct=false"):
+        parse_method("prob:h2o/tau=1/correct=false")
+    with pytest.raises(ValueError, match="core=0 does nothing with sampler='with_replacement'"):
+        parse_method("prob:h2o/sampler=with_replacement/core=0")
+    changed = dataclasses.replace(uncorrected, correct=True)  # tau back to its default
+    assert changed == parse_method("prob:streaming_llm") and changed.tau == 2.0
+    switched = dataclasses.replace(parse_method("prob:kvzip"), sampler="with_replacement")
+    assert switched == parse_method("prob:kvzip/sampler=with_replacement")
+
+
+def test_proposal_tau_zero_speaks_of_the_proposal():
+    with pytest.raises(ValueError, match=r"proposal_tau must be > 0 \(the proposal's temp"):
+        parse_method("prob:h2o/proposal_tau=0")
+    with pytest.raises(ValueError) as refused:
+        parse_method("prob:h2o/proposal_tau=0")
+    assert "correction" not in str(refused.value)
+
+
+@pytest.mark.parametrize("digits", [23, 5000])
+def test_seeds_outside_torch_range_are_refused_at_parse_time(digits):
+    """torch generators take 64-bit seeds (and each layer's is seed * 100003 + its index): a
+    larger seed is refused when the name is parsed, naming the range; even 5,000 digits."""
+    lo, hi = SEEDS
+    with pytest.raises(ValueError, match=rf"seed must be an integer in \[{lo}, {hi}\]"):
+        parse_method(f"prob:snapkv/seed={'9' * digits}")
+    policy = parse_method(f"prob:snapkv/seed={hi}", ratio=0.5)
+    obs = [synthetic(torch.randn(2, 20, generator=gen(1)), 0, layer) for layer in range(3)]
+    policy.select(obs, num_layers=3)  # the largest seed draws
+    with pytest.raises(ValueError, match=r"seed must be an integer in \[0, "):
+        parse_method("prob:snapkv/seed=-1")
+
+
+def test_defaults_live_in_one_table_and_docs_list_them():
+    """Every default of a prob: option is in prob_designs.DEFAULTS (the options of the parts
+    and designs, scope, seed and sampler: nothing else, nothing missing), docs/methods.md's
+    defaults table is exactly that table, and a global default scope needs the attention
+    scale."""
+    options = set(ProbabilisticPolicy.option_names())
+    assert set(prob_designs.DEFAULTS) == options
+    rows = defaults_rows()
+    text = (Path(__file__).parents[1] / "docs" / "methods.md").read_text()
+    table = text.split("<!-- prob-defaults -->")[1]
+    listed = [line for line in table.strip().splitlines() if line.startswith("| `")]
+    assert listed == rows
+    assert all(
+        scores.on_attention_scale(s)
+        for s, scope in prob_designs.DEFAULTS["scope"].items()
+        if s != "*" and scope == "global"
+    )
+
+
+def defaults_rows() -> list[str]:
+    """docs/methods.md's rows of the defaults table, from ``DEFAULTS``: option, default, and
+    the exceptions by score or by sampler, in the table's order."""
+
+    def shown(value) -> str:
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        if isinstance(value, float) and (math.isinf(value) or value.is_integer()):
+            return "inf" if math.isinf(value) else str(int(value))
+        return str(value)
+
+    rows = []
+    for option, table in prob_designs.DEFAULTS.items():
+        others = {}
+        for key, value in table.items():
+            if key == "*":
+                continue
+            where = f"`{key[1]}` with `{key[0]}`" if isinstance(key, tuple) else f"`{key}`"
+            others.setdefault(shown(value), []).append(where)
+        exceptions = "; ".join(f"`{v}` for {', '.join(w)}" for v, w in others.items())
+        rows.append(f"| `{option}` | `{shown(table['*'])}` | {exceptions or 'none'} |")
+    return rows

@@ -21,6 +21,7 @@ from probkv.policies import (
     parse_method,
     top_k_versions,
 )
+from probkv.policies.prob_designs import default
 from probkv.scores import SCORE_NAMES, needs_reconstruction
 
 NAMED = [
@@ -77,7 +78,9 @@ def test_named_methods_are_what_they_say():
             heads,
             params,
         )
-        assert (p.alpha, p.beta, p.recent) == (0.2, 20.0, 0.0)
+        alpha = 0.2 if heads == "ada" else None  # alpha acts with Ada-KV budgets only
+        beta = 20.0 if layers == "pyramid" else None  # beta with pyramid layers only
+        assert (p.alpha, p.beta, p.recent) == (alpha, beta, 0.0)
 
 
 def test_default_score_params_are_the_score_functions_defaults_except_snapkv_gqa():
@@ -119,7 +122,9 @@ def test_python_api_and_names_agree():
         ("h2o/layer_budgets=pyramid", "h2o/layer_budgets=pyramid"),
         ("prob:min-h/tau=2.0/scope=global", "prob:min-h/scope=global/tau=2"),
         ("prob:h2o/correct=false", "prob:h2o/correct=false"),
-        ("prob:h2o/tau=inf", "prob:h2o/tau=inf"),
+        ("prob:h2o/tau=inf", "prob:h2o/correct=false"),  # one spelling of no correction
+        ("prob:h2o/correct=false/tau=inf", "prob:h2o/correct=false"),
+        ("prob:streaming_llm/correct=false", "prob:streaming_llm/correct=false"),
         ("prob:snapkv/window=8/gqa=mixture", "prob:snapkv/gqa=mixture/window=8"),
         ("ada_snapkv/alpha=0.20", "ada_snapkv"),
         ("ada_snapkv/alpha=0.5", "ada_snapkv/alpha=0.5"),
@@ -183,18 +188,24 @@ VALUES = {
     "pool": ["1", "3", "7"],
     "calibrate": ["inf", "0.01", "1"],
 }
-SPAN_DEFAULTS = {  # S10: designs of pps
-    "core=0",
-    "block=1",
-    "order=position",
-    "units=blocks",
-}
-SPAN_OPTIONS = ("core", "block", "order", "units")
+SPAN_OPTIONS = ("core", "block", "order", "units")  # S10: designs of pps
 
 
-def span_design_without_pps(options: list[str]) -> bool:
-    span = [o for o in options if o.split("=")[0] in SPAN_OPTIONS]
-    return "sampler=with_replacement" in options and not set(span) <= SPAN_DEFAULTS
+def does_nothing(name: str, options: list[str]) -> bool:
+    """Options that could not change what the method does, refused by name (tests below): pps
+    options with the with-replacement sampler, weights with pps, tau with correct=false, alpha
+    without Ada-KV head budgets, beta without pyramid layer budgets."""
+    keys = {o.split("=")[0]: o.split("=")[1] for o in options}
+    with_replacement = keys.get("sampler") == "with_replacement"
+    if with_replacement and any(k in keys for k in SPAN_OPTIONS):
+        return True
+    if name.startswith("prob:") and not with_replacement and "weights" in keys:
+        return True
+    if keys.get("correct") == "false" and keys.get("tau", "inf") != "inf":
+        return True
+    ada = name in ("ada_snapkv", "ada_pyramidkv", "ada_kvzip") or keys.get("head_budgets") == "ada"
+    pyramid = name in ("pyramidkv", "ada_pyramidkv") or keys.get("layer_budgets") == "pyramid"
+    return ("alpha" in keys and not ada) or ("beta" in keys and not pyramid)
 
 
 def calibrate_refused(name: str, options: list[str]) -> bool:
@@ -214,7 +225,7 @@ def test_parse_and_name_round_trip(data):
     name = data.draw(st.sampled_from([n for n in method_names() if n != "full"]))
     keys = data.draw(st.lists(st.sampled_from(method_options(name)), unique=True, max_size=5))
     options = [f"{k}={data.draw(st.sampled_from(VALUES[k]))}" for k in keys]
-    assume(not span_design_without_pps(options))  # refused by name (test below)
+    assume(not does_nothing(name, options))  # refused by name (tests below)
     assume(not calibrate_refused(name, options))
     spec = "/".join([name, *options])
     ratio = data.draw(st.sampled_from([0.0, 0.25, 0.5, 0.9]))
@@ -304,10 +315,10 @@ def test_method_options_per_family():
         ("snapkv/pool=0", "pool must be an odd integer >= 1 .*got 0"),
         (
             "prob:h2o/sampler=with_replacement/block=8",
-            r"core=0.0, block=8, order='position', units='blocks': these are designs of "
-            r"sampler='pps' \(S10.2-S10.4\); sampler='with_replacement' allows only core=0, "
-            r"block=1",
+            r"block=8 does nothing with sampler='with_replacement': it is one of the designs "
+            r"of sampler='pps' \(S10.2-S10.4\); omit block",
         ),
+        ("prob:h2o/sampler=with_replacement/block=1", "block=1 does nothing with sampler="),
         ("prob:h2o/sampler=with_replacement/units=spans", "designs of sampler='pps'"),
         ("prob:h2o/sampler=with_replacement/order=random", "designs of sampler='pps'"),
         ("prob:h2o/sampler=with_replacement/core=0.5", "designs of sampler='pps'"),
@@ -338,7 +349,7 @@ def test_prob_kvzip_budget_is_global_by_default():
     assert ProbabilisticPolicy(score="kvzip").scope == "global"
     for name in ("prob:kvzip", "prob:kvzip/scope=head", "prob:h2o/scope=global"):
         assert method_name(parse_method(name, 0.5)) == name
-    global_scores = [s for s in SCORE_NAMES if scores.budget_scope(s) == "global"]
+    global_scores = [s for s in SCORE_NAMES if default("scope", s, "pps") == "global"]
     assert global_scores == ["kvzip", "h2o-rec", "min-rec"]  # the reconstruction scores
 
 
@@ -360,24 +371,15 @@ def test_prob_core_defaults_follow_the_score_and_the_sampler():
         "h2o-rec": 0.5,
         "min-rec": 0.5,
     }
-    assert {s: scores.prob_core(s) for s in SCORE_NAMES} == measured
+    assert {s: default("core", s, "pps") for s in SCORE_NAMES} == measured
     for score, core in measured.items():
         assert parse_method(f"prob:{score}").core == core
-        assert parse_method(f"prob:{score}/sampler=with_replacement").core == 0.0
+        assert "core" not in parse_method(f"prob:{score}/sampler=with_replacement").option_values()
         assert method_name(parse_method(f"prob:{score}/core=0.25")) == f"prob:{score}/core=0.25"
     assert parse_method("prob:snapkv").core == 0.0
     names = ("prob:kvzip/core=0", "prob:kvzip/sampler=with_replacement", "prob:kvzip/core=1")
     for name in names:
         assert method_name(parse_method(name, 0.75)) == name
-    with pytest.raises(ValueError, match="prob_core"):
-        scores.ScoreSpec(scores.knorm, ("key",), prob_core=1.5)
-
-
-def test_budget_scope_global_needs_the_attention_scale():
-    with pytest.raises(ValueError, match="budget_scope"):
-        scores.ScoreSpec(scores.knorm, ("key",), budget_scope="global")
-    with pytest.raises(ValueError, match="budget_scope"):
-        scores.ScoreSpec(scores.knorm, ("key",), budget_scope="layer")
 
 
 def test_kvzip_names():
@@ -438,16 +440,15 @@ def test_prob_block_defaults_follow_the_score_and_the_sampler():
     """S10.3: blocks of 8 by default, spans of at most 32 entries for ``kvzip``
     (docs/evaluation.md, "Spans for `prob:kvzip`"); the with-replacement sampler has single
     entries; the canonical name drops the score's own defaults and keeps any other design."""
-    blocks = {s: scores.prob_block(s) for s in SCORE_NAMES}
-    assert blocks == {s: (32 if s == "kvzip" else scores.DEFAULT_PROB_BLOCK) for s in SCORE_NAMES}
-    units = {s: scores.prob_units(s) for s in SCORE_NAMES}
+    blocks = {s: default("block", s, "pps") for s in SCORE_NAMES}
+    assert blocks == {s: (32 if s == "kvzip" else 8) for s in SCORE_NAMES}
+    units = {s: default("units", s, "pps") for s in SCORE_NAMES}
     assert units == {s: ("spans" if s == "kvzip" else "blocks") for s in SCORE_NAMES}
-    assert scores.DEFAULT_PROB_BLOCK == 8
     kvzip = parse_method("prob:kvzip")
     assert (kvzip.block, kvzip.units) == (32, "spans")
     assert (parse_method("prob:h2o-rec").block, parse_method("prob:h2o-rec").units) == (8, "blocks")
     plain = parse_method("prob:kvzip/sampler=with_replacement")
-    assert (plain.block, plain.units) == (1, "blocks")
+    assert getattr(plain, "block", 1) == 1 and not hasattr(plain, "units")  # no units
     assert method_name(parse_method("prob:kvzip/block=32/units=spans", 0.5)) == "prob:kvzip"
     assert method_name(parse_method("prob:kvzip/block=1", 0.5)) == "prob:kvzip/block=1"
     assert (
@@ -455,7 +456,3 @@ def test_prob_block_defaults_follow_the_score_and_the_sampler():
         == "prob:kvzip/block=8/units=blocks"
     )
     assert method_name(parse_method("prob:knorm/block=1", 0.5)) == "prob:knorm/block=1"
-    with pytest.raises(ValueError, match="prob_units"):
-        scores.ScoreSpec(scores.knorm, ("key",), prob_units="words")
-    with pytest.raises(ValueError, match="prob_block"):
-        scores.ScoreSpec(scores.knorm, ("key",), prob_block=0)

@@ -265,15 +265,18 @@ class _Estimate:
         ``ProbabilisticPolicy.weights`` value; pps ignores it)."""
         if self.estimator in ("topk", "topk_proposal"):
             return TopKPolicy(score=self.proposal, ratio=ratio)
+        # pps has no weights option (always 1 / P); without correction there is no tau
+        options = {"weights": weights_field} if self.sampler == "with_replacement" else {}
+        if self.tau is not None:
+            options["tau"] = self.tau
         return ProbabilisticPolicy(
             score=self.proposal,
             ratio=ratio,
             scope=scope,
             sampler=self.sampler,
-            weights=weights_field,
-            tau=1.0 if self.tau is None else self.tau,
             correct=self.tau is not None,
             seed=seed,
+            **options,
         )
 
 
