@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 
+import numpy as np
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
@@ -456,3 +457,64 @@ def test_prob_block_defaults_follow_the_score_and_the_sampler():
         == "prob:kvzip/block=8/units=blocks"
     )
     assert method_name(parse_method("prob:knorm/block=1", 0.5)) == "prob:knorm/block=1"
+
+
+# ------------------------------------------------- options that change nothing, bad values
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("snapkv/alpha=0.5", "`?alpha`? only acts with Ada-KV head budgets"),
+        ("topk:kvzip/alpha=0.3", "alpha only acts with Ada-KV head budgets"),
+        ("h2o/layer_budgets=global/alpha=0.1", "alpha only acts with Ada-KV head budgets"),
+        ("snapkv/beta=5", "beta only acts with pyramid layer budgets"),
+        ("ada_snapkv/beta=5", "beta only acts with pyramid layer budgets"),
+        ("topk:h2o/head_budgets=ada/beta=2", "beta only acts with pyramid layer budgets"),
+        ("prob:snapkv/weights=counts", "pps always weighs a kept entry by 1 / P_i"),
+        ("prob:h2o/correct=false/tau=2", "tau tempers the correction's weights"),
+    ],
+)
+def test_options_that_change_nothing_are_refused_with_the_reason(spec, message):
+    with pytest.raises(ValueError, match=message):
+        parse_method(spec)
+
+
+def test_alpha_and_beta_where_they_act():
+    """alpha with Ada-KV head budgets and beta with pyramid layers are options (defaults 0.2
+    and 20, dropped from canonical names); elsewhere they are None."""
+    assert parse_method("ada_snapkv/alpha=0.5").alpha == 0.5
+    assert method_name(parse_method("topk:h2o/head_budgets=ada/alpha=0.2")) == (
+        "h2o/head_budgets=ada"
+    )
+    assert method_name(parse_method("h2o/layer_budgets=pyramid/beta=20")) == (
+        "h2o/layer_budgets=pyramid"
+    )
+    assert parse_method("pyramidkv/beta=5").beta == 5.0
+    plain = parse_method("snapkv")
+    assert (plain.alpha, plain.beta) == (None, None)
+
+
+def test_ratio_of_any_real_number_type():
+    """numpy's float32 (no Python float subclass) is a ratio like float64; bools are not."""
+    assert parse_method("snapkv", np.float32(0.5)) == parse_method("snapkv", 0.5)
+    assert parse_method("prob:h2o", np.float64(0.25)).ratio == 0.25
+    assert parse_method("snapkv", np.int64(0)).ratio == 0.0
+    assert TopKPolicy(score="h2o", ratio=np.float32(0.75)).ratio == 0.75
+    for bad in (True, np.bool_(True), "0.5"):
+        with pytest.raises(ValueError, match="ratio must be a number in"):
+            parse_method("snapkv", bad)
+
+
+def test_huge_integers_parse_as_integers():
+    """An option of thousands of digits is an integer, refused by its own check (not read
+    as the float inf)."""
+    with pytest.raises(ValueError, match=r"seed must be an integer in \[0, ") as refused:
+        parse_method("prob:snapkv/seed=" + "9" * 5000)
+    assert "inf" not in str(refused.value)
+    with pytest.raises(ValueError, match="seed must be an integer in"):
+        parse_method("prob:snapkv/seed=99999999999999999999999")
+    with pytest.raises(ValueError, match=r"option 'tau' .* is an integer too large for a"):
+        parse_method("prob:h2o/tau=" + "7" * 5000)
+    with pytest.raises(ValueError, match=r"option 'beta' .* is an integer too large for a"):
+        parse_method("pyramidkv/beta=" + "7" * 400)

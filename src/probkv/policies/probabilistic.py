@@ -42,6 +42,7 @@ from probkv.selection import RaggedSelection
 SEED_STRIDE = 100_003
 SEEDS = (0, (2**64 - 2**16) // SEED_STRIDE)
 PART_OPTIONS = (Weighting.OPTIONS, Proposal.OPTIONS)
+SAMPLERS = tuple(DESIGNS)  # the values of the option sampler
 
 
 def _check_seed(seed) -> int:

@@ -183,7 +183,18 @@ def parse_method(spec: str, ratio: float = 0.5) -> EvictionPolicy:
             raise ValueError(f"unknown option {key!r} for method {name!r}; valid options: {listed}")
     if cls is FullCache:
         return FullCache()
-    return cls(ratio=ratio, score_params=score_params, **fixed, **kwargs)
+    try:
+        return cls(ratio=ratio, score_params=score_params, **fixed, **kwargs)
+    except OverflowError:  # an integer too large for a float, given to a number option
+        huge = [k for k, v in {**kwargs, **score_params}.items() if _huge(v)]
+        raise ValueError(
+            f"option {huge[0] if huge else '?'!r} in method {spec!r} is an integer too large "
+            "for a number (beyond float64's range)"
+        ) from None
+
+
+def _huge(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 2**1023
 
 
 def method_name(policy: EvictionPolicy) -> str:
