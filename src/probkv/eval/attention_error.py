@@ -262,7 +262,8 @@ class _Estimate:
 
     def policy(self, ratio: float, seed: int, scope: str, weights_field: str) -> EvictionPolicy:
         """The policy of this estimator at ``ratio`` and ``seed`` (``weights_field``: the
-        ``ProbabilisticPolicy.weights`` value; pps ignores it)."""
+        ``ProbabilisticPolicy.weights`` value, given to the with-replacement sampler only:
+        pps has no weights option)."""
         if self.estimator in ("topk", "topk_proposal"):
             return TopKPolicy(score=self.proposal, ratio=ratio)
         # pps has no weights option (always 1 / P); without correction there is no tau
