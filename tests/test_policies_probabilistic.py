@@ -1026,3 +1026,27 @@ def defaults_rows() -> list[str]:
         exceptions = "; ".join(f"`{v}` for {', '.join(w)}" for v, w in others.items())
         rows.append(f"| `{option}` | `{shown(table['*'])}` | {exceptions or 'none'} |")
     return rows
+
+
+def test_each_part_checks_itself():
+    """The parts cannot be built in a state that means nothing: bad values are refused by name
+    and the one redundant spelling (tau = inf) becomes the canonical one (correct=False)."""
+    with pytest.raises(ValueError, match=r"core must be in \[0, 1\]"):
+        prob_designs.Pps(core=2.0, block=8, order="random", units="blocks")
+    with pytest.raises(ValueError, match="weights must be one of 'counts', 'inclusion'"):
+        prob_designs.WithReplacement(weights="pps")
+    with pytest.raises(ValueError, match="tau=2 with correct=false"):
+        prob_designs.Weighting(correct=False, tau=2, calibrate=math.inf)
+    with pytest.raises(ValueError, match=r"calibrate=0\.1 calibrates the correction's weights"):
+        prob_designs.Weighting(correct=False, tau=math.inf, calibrate=0.1)
+    assert prob_designs.Weighting(True, math.inf, math.inf) == prob_designs.Weighting(
+        False, math.inf, math.inf
+    )
+    with pytest.raises(ValueError, match=r"uniform_mix must be in \(0, 1\]"):
+        prob_designs.Proposal(proposal_tau=1.0, uniform_mix=0.0, pool=1, recent=0.0)
+    policy = ProbabilisticPolicy(
+        score="h2o",
+        design=prob_designs.WithReplacement("counts"),
+        weighting=prob_designs.Weighting(True, 2.0, math.inf),
+    )
+    assert policy == parse_method("prob:h2o/sampler=with_replacement/weights=counts/tau=2")
