@@ -27,19 +27,15 @@ from probkv.designs import (
     block_design,
     block_design_global,
     blocks,
-    capped_scale,
     core_size,
     global_budget,
-    permanent_numbers,
     sample_design,
-    sample_design_coordinated,
     spans,
-    spread_offsets,
-    systematic_sample_ordered,
     top_entries,
     top_entries_global,
     visit_order,
 )
+from probkv.sampling import capped_scale, systematic_sample_ordered
 
 torch.set_num_threads(1)
 F64 = torch.float64
@@ -421,23 +417,14 @@ def test_span_of_three_monte_carlo():
 # ------------------------------------------------------------- spans (S10.3, units="spans")
 
 
-def reference_spans(p: list[float], block: int, gap: int = 0) -> list[int]:
+def reference_spans(p: list[float], block: int) -> list[int]:
     """Slow reference of ``spans``: walk the eligible entries (p > 0) in position order; a high
     entry (p >= the exact mean over eligible entries) joins the current unit when the previous
     eligible entry was high and the unit holds fewer than ``block`` entries; every other
-    eligible entry opens a new unit. With ``gap``, a run of at most ``gap`` low eligible entries
-    with a high one on each side counts as high first. -1 for ineligible entries."""
+    eligible entry opens a new unit. -1 for ineligible entries."""
     eligible = [x for x in p if x > 0]
     mean = Fraction(math.fsum(eligible)) / len(eligible) if eligible else 0
     high = [Fraction(x) >= mean for x in eligible]
-    i = 0
-    while i < len(high):  # bridge each run of lows that has highs on both sides
-        j = i
-        while j < len(high) and not high[j]:
-            j += 1
-        if j > i and i > 0 and j < len(high) and j - i <= gap:
-            high[i:j] = [True] * (j - i)
-        i = max(j, i + 1)
     units, unit, size, previous_high, rank = [], -1, 0, False, 0
     for x in p:
         if x <= 0:
@@ -465,61 +452,46 @@ def test_spans_cut_where_the_proposal_drops():
     assert torch.equal(spans(p, 1)[0], blocks(p > 0, 1)[0])  # block 1: the entries
 
 
-def test_spans_bridge_short_runs_of_low_entries():
-    """``gap``: a separator scoring below the mean (a UUID's ``-``) stays inside the span when
-    the low run is at most ``gap`` long and has a high entry on each side; a low run at the
-    row's ends is never bridged; the zero at position 7 is skipped, not counted."""
-    p = torch.tensor([[1, 4, 4, 1, 4, 1, 1, 0, 4, 1, 1, 1, 4, 1]], dtype=F64)  # mean 28/13
-    assert spans(p, 9)[0][0].tolist() == [0, 1, 1, 2, 3, 4, 5, -1, 6, 7, 8, 9, 10, 11]
-    assert spans(p, 9, gap=1)[0][0].tolist() == [0, 1, 1, 1, 1, 2, 3, -1, 4, 5, 6, 7, 8, 9]
-    assert spans(p, 9, gap=2)[0][0].tolist() == [0, 1, 1, 1, 1, 1, 1, -1, 1, 2, 3, 4, 5, 6]
-    assert spans(p, 20, gap=3)[0][0].tolist() == [0, 1, 1, 1, 1, 1, 1, -1, 1, 1, 1, 1, 1, 2]
-    assert spans(p, 4, gap=3)[0][0].tolist() == [0, 1, 1, 1, 1, 2, 2, -1, 2, 2, 3, 3, 3, 4]
-
-
 @settings(max_examples=200, deadline=None)
 @given(
     rows=st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=30), min_size=1, max_size=4),
     block=st.integers(1, 6),
-    gap=st.integers(0, 3),
 )
-def test_spans_match_the_reference(rows, block, gap):
+def test_spans_match_the_reference(rows, block):
     """The vectorised ``spans`` against the walk above, row by row (integer proposals: exact
     means, and ties with the mean are frequent); ``sizes`` count each unit's entries."""
     t = max(len(r) for r in rows)
     p = torch.tensor([r + [0] * (t - len(r)) for r in rows], dtype=F64)
-    units, sizes = spans(p, block, gap)
+    units, sizes = spans(p, block)
     for i, row in enumerate(p.tolist()):
-        expected = reference_spans(row, block, gap)
+        expected = reference_spans(row, block)
         assert units[i].tolist() == expected
         counts = [expected.count(k) for k in range(sizes.shape[1])]
         assert sizes[i].tolist() == counts
         assert max(counts) <= block
 
 
-SPAN_CASES = [  # (proposal, block, n, gap): at most 6 units, so every order is enumerated
-    ([1, 4, 4, 4, 1, 1, 3, 3, 1], 3, 3, 0),
-    ([1, 4, 4, 4, 1, 1, 3, 3, 1], 2, 4, 0),
-    ([2, 5, 5, 1, 5, 5, 5, 0], 3, 2, 0),
-    ([1, 1, 9, 9, 9, 9, 1], 2, 3, 0),  # the span of four is cut in two
-    ([3, 3, 3, 3, 3, 3], 4, 2, 0),  # all equal: all high, spans of 4 and 2
-    ([1, 6, 6, 1, 6, 6], 2, 5, 0),  # take-all units
-    ([2, 5, 5, 1, 5, 5, 5, 0], 8, 3, 1),  # the low 1 is bridged: one span of 6 entries
-    ([1, 4, 4, 1, 1, 3, 3, 1, 4], 3, 4, 2),  # bridged, then cut at 3
+SPAN_CASES = [  # (proposal, block, n): at most 6 units, so every order is enumerated
+    ([1, 4, 4, 4, 1, 1, 3, 3, 1], 3, 3),
+    ([1, 4, 4, 4, 1, 1, 3, 3, 1], 2, 4),
+    ([2, 5, 5, 1, 5, 5, 5, 0], 3, 2),
+    ([1, 1, 9, 9, 9, 9, 1], 2, 3),  # the span of four is cut in two
+    ([3, 3, 3, 3, 3, 3], 4, 2),  # all equal: all high, spans of 4 and 2
+    ([1, 6, 6, 1, 6, 6], 2, 5),  # take-all units
 ]
 
 
 @pytest.mark.parametrize("order", designs.ORDERS)
-@pytest.mark.parametrize(("p", "block", "n", "gap"), SPAN_CASES)
-def test_span_design_is_exactly_unbiased(order, p, block, n, gap):
+@pytest.mark.parametrize(("p", "block", "n"), SPAN_CASES)
+def test_span_design_is_exactly_unbiased(order, p, block, n):
     """Exact enumeration as for blocks (every permutation of the units x every offset): the
     implementation keeps the reference's units, each unit is kept with probability exactly
     P_k, every entry of a kept span is kept (one unit), the Horvitz-Thompson total is exactly
     unbiased, and the expected kept count is the budget."""
     pi = torch.tensor([p], dtype=F64)
-    design = block_design(pi, n, block, units="spans", gap=gap)
+    design = block_design(pi, n, block, units="spans")
     assert design.kind == "spans"
-    assert design.units[0].tolist() == reference_spans(p, block, gap)
+    assert design.units[0].tolist() == reference_spans(p, block)
     P, sizes = design.inclusion[0].tolist(), design.sizes[0].tolist()
     units = design.units[0].tolist()
     f = [Fraction(x) for x in torch.rand(len(p), generator=gen(block), dtype=F64).tolist()]
@@ -607,154 +579,6 @@ def test_top_entries_matches_reference(data, t, ties, seed):
     assert set(torch.cat([m.flatten() for m in everything]).nonzero().flatten().tolist()) == flat
 
 
-# ----------------------------------------------------- coordinated Poisson sampling (S10.4)
-
-
-def reference_coordinated(
-    units: list[int], P: list[float], u: list[float], offset: float = 0.0
-) -> list[bool]:
-    """S10.4 literally: walk the entries; a unit's first entry (the first time its number is
-    seen) decides it by ``(u[first] + offset) mod 1 < P_k``; every entry follows its unit."""
-    decided: dict[int, bool] = {}
-    kept = []
-    for i, k in enumerate(units):
-        if k < 0:
-            kept.append(False)
-            continue
-        if k not in decided:
-            decided[k] = math.fmod(u[i] + offset, 1.0) < P[k]
-        kept.append(decided[k])
-    return kept
-
-
-@settings(max_examples=100, deadline=None)
-@given(
-    t=st.integers(1, 40),
-    block=st.integers(1, 6),
-    kind=st.sampled_from(["blocks", "spans"]),
-    kept_fraction=st.floats(0.05, 0.95),
-    seed=st.integers(0, 10**6),
-)
-def test_coordinated_sampling_matches_the_reference(t, block, kind, kept_fraction, seed):
-    """Implementation against the literal walk, on random designs (a core outside) and numbers,
-    including numbers placed exactly at and just around each unit's P."""
-    g = gen(seed)
-    pi = proposal(2, t, seed)
-    core = torch.rand(2, t, generator=g) < 0.2
-    design = block_design(pi, kept_fraction * t / 2, block, outside=core, units=kind)
-    u = torch.rand(t, generator=g, dtype=F64)
-    firsts = designs.first_entries(design)
-    for r in range(2):
-        for k, f in enumerate(firsts[r].tolist()):
-            if f < t and k % 2 == 0:  # half the units get a number on their boundary
-                u[f] = float(design.inclusion[r, k]) * (1 - 1e-12 * (k % 4 == 0))
-    u = u.clamp(max=1 - 2**-53)
-    assert sample_design_coordinated(design, u).tolist() == [
-        reference_coordinated(design.units[r].tolist(), design.inclusion[r].tolist(), u.tolist())
-        for r in range(2)
-    ]
-    offsets = spread_offsets(torch.tensor([seed % 7, seed % 7 + 1]))
-    assert sample_design_coordinated(design, u, offsets).tolist() == [
-        reference_coordinated(
-            design.units[r].tolist(), design.inclusion[r].tolist(), u.tolist(), float(offsets[r])
-        )
-        for r in range(2)
-    ]
-
-
-def test_coordinated_sampling_monte_carlo_is_unbiased():
-    """Over N seeds of the permanent numbers: keep frequencies within Z binomial standard
-    errors of P_i, spans kept or dropped whole, the Horvitz-Thompson total and the kept count
-    within Z standard errors of the truth and the budget (Poisson sampling: independent units,
-    so the variance of the count is sum |B_k|^2 P_k (1 - P_k))."""
-    N, n = 20000, 6
-    pi = torch.tensor([[1, 2, 8, 8, 8, 8, 8, 1, 2, 1, 7, 7, 1, 30, 1, 2]], dtype=F64)
-    core = torch.zeros_like(pi, dtype=torch.bool)
-    core[0, 13] = True
-    design = block_design(pi, n, 4, outside=core, units="spans")
-    kept = torch.stack(
-        [sample_design_coordinated(design, permanent_numbers(16, s))[0] for s in range(N)]
-    )
-    P = design.entry_inclusion[0]
-    inner = (P > 0) & (P < 1)
-    freq = kept.double().mean(0)
-    assert ((freq - P).abs()[inner] <= Z * (P * (1 - P) / N).sqrt()[inner]).all()
-    assert not kept[:, 13].any()
-    assert (kept[:, 2:6].all(-1) == kept[:, 2]).all() and (kept[:, 10] == kept[:, 11]).all()
-    sizes = kept.sum(-1).double()
-    Pk, bk = design.inclusion[0], design.sizes[0].double()
-    sd = float((bk**2 * Pk * (1 - Pk)).sum().sqrt())
-    assert abs(float(sizes.mean()) - n) <= Z * sd / math.sqrt(N)
-    f = torch.linspace(0.2, 3.0, 16, dtype=F64)
-    w = torch.where(P > 0, 1 / P.clamp(min=1e-300), 0.0)
-    totals = (kept.double() * w * f).sum(-1)
-    truth = float(f[P > 0].sum())
-    assert abs(float(totals.mean()) - truth) <= Z * float(totals.std()) / math.sqrt(N)
-
-
-def test_coordinated_sampling_couples_heads_through_positions():
-    """Heads with the same P keep the same units for every set of numbers; where two heads'
-    units start at the same position, the head with the larger P keeps the unit whenever the
-    other does (nested samples), and the shared number couples them: their joint keep
-    frequency is min(P_a, P_b), not P_a P_b."""
-    pi = proposal(1, 30, 3).expand(2, -1).clone()
-    same = block_design(pi, 8.0, 1)
-    for s in range(50):
-        kept = sample_design_coordinated(same, permanent_numbers(30, s))
-        assert torch.equal(kept[0], kept[1])
-    pi[1] = pi[1] ** 2  # sharper: other P, the same single-entry units
-    design = block_design(pi, 8.0, 1)
-    N = 20000
-    kept = torch.stack(
-        [sample_design_coordinated(design, permanent_numbers(30, s)) for s in range(N)]
-    )
-    Pa, Pb = design.entry_inclusion
-    lo, hi = torch.minimum(Pa, Pb), torch.maximum(Pa, Pb)
-    small = torch.where((Pa <= Pb).unsqueeze(0), kept[:, 0], kept[:, 1])
-    large = torch.where((Pa <= Pb).unsqueeze(0), kept[:, 1], kept[:, 0])
-    assert not (small & ~large).any()  # nested
-    joint = (kept[:, 0] & kept[:, 1]).double().mean(0)
-    inner = (lo > 0.2) & (hi < 0.8)  # independence would give P_a P_b <= lo - 0.04
-    assert inner.sum() >= 3
-    assert ((joint - lo).abs()[inner] <= Z * (lo * (1 - lo) / N).sqrt()[inner]).all()
-    indep = Pa * Pb
-    assert ((joint - indep) > Z * (indep * (1 - indep) / N).sqrt())[inner].all()
-
-
-def test_negative_coordination_spreads_a_position_over_heads():
-    """Offsets r / n: n heads with the same P at a unit keep it in floor(nP) or ceil(nP) heads
-    for every set of numbers; with ``spread_offsets`` (golden ratio) 30 consecutive heads stay
-    within 2.5 heads of nP (the offsets' worst arc, computed on a grid, is 2.275 off; an
-    independent draw is off by more than 2.5 heads with probability up to ~0.3); each head's
-    marginal stays P (Monte Carlo, Z binomial errors)."""
-    n, t = 30, 20
-    pi = proposal(1, t, 4).expand(n, -1).contiguous()
-    design = block_design(pi, 6.0, 1)
-    P = design.entry_inclusion[0]
-    even = torch.arange(n, dtype=F64) / n
-    golden = spread_offsets(torch.arange(40, 40 + n))
-    N = 4000
-    freq = torch.zeros(n, t, dtype=F64)
-    for s in range(N):
-        u = permanent_numbers(t, s)
-        heads = sample_design_coordinated(design, u, even).sum(0).double()
-        assert ((heads >= torch.floor(n * P)) & (heads <= torch.ceil(n * P))).all()
-        kept = sample_design_coordinated(design, u, golden)
-        assert ((kept.sum(0).double() - n * P).abs() <= 2.5).all()
-        freq += kept.double()
-    inner = (P > 0) & (P < 1)
-    err = (freq / N - P).abs()[:, inner]
-    assert (err <= Z * (P * (1 - P) / N).sqrt()[inner]).all()
-
-
-def test_permanent_numbers_depend_on_the_seed_only():
-    a = permanent_numbers(64, 7)
-    assert torch.equal(a, permanent_numbers(64, 7)) and a.dtype == F64
-    assert ((a >= 0) & (a < 1)).all()
-    assert not torch.equal(a, permanent_numbers(64, 8))
-    assert torch.equal(permanent_numbers(40, 7), a[:40])  # a longer prompt extends a shorter one
-
-
 # ------------------------------------------------------------------------------ bad input
 
 
@@ -762,10 +586,6 @@ def test_bad_input_names_the_value():
     pi = proposal(2, 5, 0)
     with pytest.raises(ValueError, match=r"block must be an integer >= 1 .*got 0"):
         block_design(pi, 2, 0)
-    with pytest.raises(ValueError, match=r"gap must be an integer >= 0 .*got -1"):
-        block_design(pi, 2, 4, units="spans", gap=-1)
-    with pytest.raises(ValueError, match="gap=1 bridges low entries inside spans: it needs"):
-        block_design(pi, 2, 4, gap=1)
     with pytest.raises(ValueError, match="pi must be finite and >= 0"):
         block_design(-pi, 2, 1)
     with pytest.raises(ValueError, match=r"pi must be a tensor \[rows, t\]"):
@@ -776,18 +596,6 @@ def test_bad_input_names_the_value():
         sample_design(block_design(pi, 2, 1), "lifo", gen(0))
     with pytest.raises(ValueError, match=r"generator must be a torch\.Generator"):
         sample_design(block_design(pi, 2, 1), "random", 0)
-    with pytest.raises(ValueError, match=r"t must be a positive integer \(positions\), got 0"):
-        permanent_numbers(0, 1)
-    with pytest.raises(ValueError, match=r"seed must be an integer, got 1\.5"):
-        permanent_numbers(4, 1.5)
-    with pytest.raises(ValueError, match=r"numbers_ must be a float tensor \[>= 5\]"):
-        sample_design_coordinated(block_design(pi, 2, 1), torch.rand(4))
-    with pytest.raises(ValueError, match=r"numbers_ must lie in \[0, 1\)"):
-        sample_design_coordinated(block_design(pi, 2, 1), torch.ones(5))
-    with pytest.raises(ValueError, match=r"offsets must be a tensor \[2\] in \[0, 1\)"):
-        sample_design_coordinated(block_design(pi, 2, 1), torch.rand(5), torch.ones(2))
-    with pytest.raises(ValueError, match="head_ids must be non-negative integers"):
-        spread_offsets(torch.tensor([-1]))
     P = torch.full((1, 4), 0.5, dtype=F64)
     with pytest.raises(ValueError, match="order must hold a permutation"):
         systematic_sample_ordered(P, torch.tensor([[0, 0, 1, 2]]), torch.tensor([0.5]))

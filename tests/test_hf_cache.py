@@ -92,7 +92,7 @@ DECODE_METHODS = [
     "prob:min-h",
     "prob:h2o/scope=global",
     "prob:min-h/sampler=pps",
-    "prob:min-h/weights=counts/tau=2",
+    "prob:min-h/tau=2",
     "prob:h2o-h/correct=false",
     "prob:snapkv/window=8",
     "snapkv/window=8",

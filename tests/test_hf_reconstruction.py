@@ -183,7 +183,6 @@ def test_one_pass_gives_every_reconstruction_score(tiny):
         "ada_kvzip",
         "prob:kvzip",
         "prob:min-rec/scope=global",
-        "prob:kvzip/tail=h2o-rec",
         "prob:kvzip/calibrate=0.01",
     ],
 )

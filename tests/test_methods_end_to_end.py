@@ -30,7 +30,7 @@ METHODS = [
     "prob:min-h/sampler=pps",
     "prob:min-h/sampler=pps/scope=global",
     "prob:h2o/correct=false",
-    "prob:h2o-h/weights=counts/tau=2",
+    "prob:h2o-h/tau=2",
     "prob:snapkv/window=8/sampler=pps",
 ]
 NEW_TOKENS = 3

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from fractions import Fraction
+from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -21,9 +24,18 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from probkv import designs, sample_size, sampling
+from probkv import designs, estimator, sample_size, sampling, scores
 from probkv.observation import observe_layer
-from probkv.policies import LayerObservation, ProbabilisticPolicy, method_name, parse_method
+from probkv.policies import (
+    LayerObservation,
+    ProbabilisticPolicy,
+    method_name,
+    method_options,
+    parse_method,
+    prob_designs,
+)
+from probkv.policies.base import check_fraction
+from probkv.policies.probabilistic import SEEDS
 from probkv.proposals import FLOOR, max_pool_log_scores, proposal_from_log_scores
 from probkv.scores import FORCED_LOG_SCORE, SCORE_NAMES, needs_reconstruction
 
@@ -403,14 +415,14 @@ def test_bad_fields_fail_at_construction_naming_the_value():
     with pytest.raises(ValueError, match="sampler must be one of 'with_replacement', 'pps'"):
         ProbabilisticPolicy(sampler="poisson")
     with pytest.raises(ValueError, match="weights must be one of 'counts', 'inclusion'"):
-        ProbabilisticPolicy(weights="pps")
+        ProbabilisticPolicy(sampler="with_replacement", weights="pps")
     with pytest.raises(ValueError, match=r"tau must be > 0.*got 0"):
         ProbabilisticPolicy(tau=0)
     with pytest.raises(ValueError, match=r"uniform_mix must be in \(0, 1\]"):
         ProbabilisticPolicy(uniform_mix=0.0)
     with pytest.raises(ValueError, match="correct must be True or False, got 'yes'"):
         ProbabilisticPolicy(correct="yes")
-    with pytest.raises(ValueError, match=r"seed must be an integer, got 1\.5"):
+    with pytest.raises(ValueError, match=r"seed must be an integer in \[0, .*got 1\.5"):
         ProbabilisticPolicy(seed=1.5)
     with pytest.raises(ValueError, match=r"ratio must be in \[0, 1\)"):
         ProbabilisticPolicy(ratio=1.0)
@@ -738,12 +750,8 @@ def test_span_designs_global_property(lengths, heads, ratio, core, block, order,
         "units=spans/block=4",
         "core=0.5/units=spans/block=3",
         "scope=global/core=0.5/units=spans/block=4",
-        "units=spans/block=6/gap=2",
-        "scope=global/core=0.5/units=spans/block=8/gap=1",
-        "coordination=positive",
-        "coordination=negative/core=0.5/units=spans/block=4",
-        "scope=global/coordination=positive/core=0.5/units=spans/block=8",
-        "scope=global/coordination=negative/core=0.5/units=spans/block=8",
+        "units=spans/block=6",
+        "scope=global/core=0.5/units=spans/block=8",
     ],
 )
 def test_span_designs_corrected_total_is_unbiased(options):
@@ -784,43 +792,6 @@ def test_span_options_fail_naming_the_value():
         ProbabilisticPolicy(units="words")
     with pytest.raises(ValueError, match="designs of sampler='pps'"):
         ProbabilisticPolicy(sampler="with_replacement", units="spans")
-    with pytest.raises(ValueError, match=r"gap must be an integer >= 0 .*got -1"):
-        ProbabilisticPolicy(units="spans", gap=-1)
-    with pytest.raises(
-        ValueError, match=r"gap=1 bridges .* needs units='spans', got units='blocks'"
-    ):
-        ProbabilisticPolicy(units="blocks", gap=1)
-    with pytest.raises(
-        ValueError, match="coordination must be one of 'none', 'positive', 'negative'; got 'yes'"
-    ):
-        ProbabilisticPolicy(coordination="yes")
-    with pytest.raises(ValueError, match="coordination='positive' is a design of sampler='pps'"):
-        ProbabilisticPolicy(sampler="with_replacement", coordination="positive")
-
-
-@pytest.mark.parametrize("scope", ["head", "global"])
-def test_coordination_keeps_positions_together_or_apart_across_heads_and_layers(scope):
-    """S10.4: heads of any layer with the same proposal (and budget) keep the same positions
-    with coordination=positive, with the same weights; the default independent systematic
-    draws keep different ones, and coordination=negative keeps different ones with the same
-    weights (same P); the kept set depends on the seed."""
-    base = 2 * torch.randn(1, 60, generator=gen(11))
-    obs = [synthetic(base.expand(3, -1).clone(), 0, i) for i in range(2)]
-    method = f"prob:h2o/scope={scope}/block=1/units=spans/core=0.2"
-    positive = parse_method(f"{method}/coordination=positive", ratio=0.6)
-    sel = positive.select(obs, num_layers=2)
-    first_idx, first_logw = sel[0].head(0)
-    for layer in sel:
-        for h in range(3):
-            idx, logw = layer.head(h)
-            assert torch.equal(idx, first_idx) and torch.equal(logw, first_logw)
-    for other in (method, f"{method}/coordination=negative"):
-        layers = parse_method(other, ratio=0.6).select(obs, num_layers=2)
-        assert len({tuple(x.head(h)[0].tolist()) for x in layers for h in range(3)}) > 1
-    reseeded = dataclasses.replace(positive, seed=1).select(obs, num_layers=2)
-    assert not torch.equal(reseeded[0].head(0)[0], first_idx)
-    assert "/coordination=positive" in method_name(positive)
-    assert parse_method(method_name(positive), ratio=0.6) == positive
 
 
 @pytest.mark.parametrize("scope", ["head", "global"])
@@ -868,165 +839,6 @@ def test_spans_keep_a_heavy_run_whole():
     assert abs(whole["spans"] / 200 - p_run) <= 5 * math.sqrt(p_run * (1 - p_run) / 200)
 
 
-def test_gap_keeps_a_run_with_a_separator_whole():
-    """gap=1: a heavy run split by one light separator (a UUID's ``-``) is one unit: over seeds
-    the nine entries are kept or dropped together; without the bridge the two halves are
-    separate units, kept apart in some seeds."""
-    t = 64
-    log_scores = torch.zeros(1, t)
-    log_scores[0, 20:24] = log_scores[0, 25:30] = 0.7
-    log_scores[0, 24] = -1.0  # the separator, below the mean
-    obs = synthetic(log_scores, 0)
-    split = {0: 0, 1: 0}
-    for seed in range(200):
-        for gap in (0, 1):
-            policy = ProbabilisticPolicy(
-                score="h2o", ratio=0.95, core=0.0, seed=seed, units="spans", block=16, gap=gap
-            )
-            (sel,) = policy.select([obs], num_layers=1)
-            kept = set(sel.head(0)[0].tolist()) & set(range(20, 30))
-            split[gap] += len(kept) not in (0, 10)
-    assert split[1] == 0 and split[0] > 0
-
-
-# ------------------------------------------------ a tail from another score (S10.2)
-
-
-def tail_observations(layers: int = 1, *, t: int = 50, hkv: int = 2, window: int = 4, seed=51):
-    """kvzip-like observations (last ``window`` entries forced) whose ``related_log_scores``
-    hold independent ``h2o-rec`` and ``min-rec`` log-scores (forced entries as the score's)."""
-    out = []
-    for layer in range(layers):
-        g = gen(seed + layer)
-        obs = synthetic(2 * torch.randn(hkv, t, generator=g), window, layer)
-        related = {}
-        for name in ("h2o-rec", "min-rec"):
-            ls = (2 * torch.randn(hkv, t, generator=g)).float()
-            ls[obs.forced] = FORCED_LOG_SCORE
-            related[name] = ls
-        out.append(dataclasses.replace(obs, related_log_scores=related))
-    return out
-
-
-def test_tail_core_by_the_score_the_rest_pps_of_the_tail():
-    """S10.2 tail, per head: the core is the floor(f b) entries of largest *score*; every other
-    kept entry has -log P_i with P the pps of the *tail's* proposal restricted to the other
-    entries; with the tail the weights differ from the score's own proposal's."""
-    method = "prob:kvzip/scope=head/core=0.5/block=1/units=blocks/order=position"
-    policy = parse_method(f"{method}/tail=h2o-rec", ratio=0.7)
-    (obs,) = tail_observations()
-    obs = policy._with_forced(obs)
-    tail_pi = proposal_from_log_scores(obs.related_log_scores["h2o-rec"], forced=obs.forced)
-    assert torch.equal(policy.proposal(obs), tail_pi)  # the sampled stratum's proposal
-    b = budget(50, 0.7) - 4
-    differs = False
-    for seed in range(4):
-        (sel,) = dataclasses.replace(policy, seed=seed).select([obs], num_layers=1)
-        (own,) = parse_method(f"{method}/seed={seed}", ratio=0.7).select([obs], num_layers=1)
-        for h in range(2):
-            core = reference_core(obs.log_scores[h], obs.forced[h], floor_fraction(0.5, b))
-            assert_core_then_pps(sel.head(h), core, tail_pi[h].double(), forced=4, sampled=b)
-            differs |= not torch.equal(sel.head(h)[1], own.head(h)[1])
-    assert differs
-
-
-def test_global_tail_weighs_heads_by_the_score_and_entries_by_the_tail():
-    """S10.2 tail with scope=global, against a slow reference: the core is the top floor(f S)
-    raw scores over every head of both layers; the rest is one pps scale lam with
-    P_hi = min(1, lam m_h pi_hi) where m_h = sum_i exp(score_hi) over the head's non-forced
-    entries (kvzip is on the attention scale) and pi_h is the tail's proposal; lam (found by
-    bisection) makes the expected count the rest of the budget."""
-    policy = parse_method(
-        "prob:kvzip/core=0.5/block=1/units=blocks/order=position/tail=min-rec", ratio=0.75
-    )
-    obs = [policy._with_forced(o) for o in tail_observations(2, t=40, hkv=2)]
-    sels = policy.select(obs, num_layers=2)
-    total = sum(budget(40, 0.75) - 4 for _ in range(4))  # (1 - r) t exact in floats
-    keys = [
-        (o.layer_idx, h, i, float(o.log_scores[h, i]))
-        for o in obs
-        for h in range(2)
-        for i in range(36)
-    ]
-    ranked = sorted(keys, key=lambda x: -x[3])
-    core = {(layer, h, i) for layer, h, i, _ in ranked[: math.floor(0.5 * total)]}
-    heads = []
-    for o in obs:
-        pi = proposal_from_log_scores(o.related_log_scores["min-rec"], forced=o.forced).double()
-        for h in range(2):
-            mass = float(o.log_scores[h, :36].double().exp().sum())
-            heads.append((o.layer_idx, h, mass, pi[h] / pi[h].sum()))
-    top = max(m for _, _, m, _ in heads)
-    rest = total - len(core)
-
-    def inclusion(lam):
-        return {
-            (layer, h, i): min(1.0, lam * m / top * float(pi[i]))
-            for layer, h, m, pi in heads
-            for i in range(36)
-            if (layer, h, i) not in core
-        }
-
-    lo, hi = 0.0, 1.0
-    while sum(inclusion(hi).values()) < rest:
-        hi *= 2
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if sum(inclusion(mid).values()) < rest else (lo, mid)
-    P = inclusion(hi)
-    for o, sel in zip(obs, sels):
-        for h in range(2):
-            idx, logw = sel.head(h)
-            kept = set(idx.tolist())
-            assert {i for layer, hh, i in core if layer == o.layer_idx and hh == h} <= kept
-            for i, w in zip(idx.tolist(), logw.double().tolist()):
-                if (o.layer_idx, h, i) in core or i >= 36:
-                    assert w == 0.0
-                else:
-                    assert w == pytest.approx(-math.log(P[(o.layer_idx, h, i)]), rel=1e-6)
-
-
-@pytest.mark.parametrize(
-    "options",
-    [
-        "scope=head/core=0.25/block=1/units=blocks/tail=h2o-rec",
-        "scope=head/tail=min-rec",  # spans of at most 32, core 0.5, random order
-        "tail=h2o-rec",  # global scope
-    ],
-)
-def test_tail_corrected_total_is_unbiased(options):
-    """S10.2: with the tail's proposal the weights 1 / P keep the Horvitz-Thompson total
-    unbiased: over N seeds the mean of sum_{i kept} w_i f_i is within 5 standard errors of
-    sum_i f_i (non-forced entries of the first head; forced entries have weight 1)."""
-    policy = parse_method(f"prob:kvzip/{options}", ratio=0.6)
-    (obs,) = tail_observations(hkv=1, t=40)
-    f = torch.linspace(0.1, 2.0, 40, dtype=F64) ** 2
-    n = 400
-    totals = corrected_totals(policy, obs, f, range(n))
-    se = float(totals.std()) / math.sqrt(n)
-    assert se > 0
-    assert abs(float(totals.mean()) - float(f.sum())) <= 5 * se
-
-
-def test_tail_names_and_refusals():
-    """The tail's canonical name, its default (the score itself) and bad values, by name."""
-    policy = parse_method("prob:kvzip/tail=h2o-rec", ratio=0.5)
-    assert policy.tail == "h2o-rec" and method_name(policy) == "prob:kvzip/tail=h2o-rec"
-    assert parse_method(method_name(policy), ratio=0.5) == policy
-    assert parse_method("prob:kvzip/tail=kvzip", ratio=0.5) == parse_method("prob:kvzip", 0.5)
-    with pytest.raises(ValueError, match=r"tail must be one of .*; got 'h2o-recc'"):
-        ProbabilisticPolicy(score="kvzip", tail="h2o-recc")
-    with pytest.raises(ValueError, match=r"tail='kvzip' with score='h2o': .*kvzip, h2o-rec"):
-        ProbabilisticPolicy(score="h2o", tail="kvzip")
-    with pytest.raises(ValueError, match="tail='h2o' with score='kvzip'"):
-        ProbabilisticPolicy(score="kvzip", tail="h2o")
-    with pytest.raises(ValueError, match="tail='min-rec' is a design of sampler='pps'"):
-        ProbabilisticPolicy(score="kvzip", tail="min-rec", sampler="with_replacement")
-    bare = synthetic(torch.randn(2, 30, generator=gen(3)))
-    with pytest.raises(ValueError, match="tail='h2o-rec': layer 0's observation has no"):
-        policy.select([bare], num_layers=1)
-
-
 # ------------------------------------------------------------- calibrated weights (S9)
 
 
@@ -1064,3 +876,177 @@ def test_calibrated_selections_need_tensors_and_reference_queries():
     plain = parse_method("prob:kvzip", ratio=0.5).select([with_rows], num_layers=1)[0]
     assert torch.equal(out.indices, plain.indices) and torch.equal(out.lengths, plain.lengths)
     assert not torch.equal(out.log_weights, plain.log_weights)
+
+
+# ----------------------------------------------- the parts and their one place of defaults
+
+
+@dataclasses.dataclass(frozen=True)
+class Poisson(prob_designs.Design):
+    """Poisson pps (docs/architecture.md's worked example): entry i kept independently with
+    P_i = min(1, lam pi_i), sum P_i = share * (the head's budget after forced entries)."""
+
+    NAME: ClassVar[str] = "poisson"
+    OPTIONS: ClassVar[tuple[str, ...]] = ("share",)
+    WHY_NOT: ClassVar[Mapping[str, str]] = {"weights": "poisson weighs by 1 / P_i"}
+    share: float
+
+    def __post_init__(self) -> None:
+        check_fraction(self.share, "share", what="share of the sampled budget")
+
+    def draw(self, stratum, weighting, generator):
+        out = []
+        for pi, forced, b in zip(stratum.pis, stratum.forced, stratum.budgets):
+            n = self.share * (b - forced).clamp(min=0).double()
+            P = sampling.capped(pi, *sampling.capped_scale(pi, None, n))
+            kept = torch.rand(pi.shape, generator=generator, dtype=pi.dtype) < P
+            logw = None
+            if weighting.correct:
+                logw = estimator.pps_log_weights(pi, kept, P, tau=weighting.tau)
+            out.append((kept, logw))
+        return out
+
+
+def test_adding_a_design_is_one_class_in_one_module(monkeypatch):
+    """A temporary sampler added as docs/architecture.md says (one class, one DESIGNS entry,
+    its option's default in DEFAULTS, all in probkv.policies.prob_designs) is a method name
+    with its option, round-trips, refuses the other samplers' options and is refused by them,
+    and draws with unbiased Horvitz-Thompson weights (5 standard errors over 400 seeds)."""
+    monkeypatch.setitem(prob_designs.DESIGNS, "poisson", Poisson)
+    monkeypatch.setitem(prob_designs.DEFAULTS, "share", {"*": 1.0, "kvzip": 0.5})
+    policy = parse_method("prob:h2o/sampler=poisson/share=0.8", ratio=0.6)
+    assert policy.design == Poisson(share=0.8) and policy.share == 0.8
+    assert "share" in method_options("prob:h2o")
+    assert method_name(policy) == "prob:h2o/sampler=poisson/share=0.8"
+    assert parse_method(method_name(policy), ratio=0.6) == policy
+    assert method_name(parse_method("prob:kvzip/sampler=poisson/share=0.5")) == (
+        "prob:kvzip/sampler=poisson"
+    )
+    assert ProbabilisticPolicy(score="h2o", ratio=0.6, sampler="poisson", share=0.8) == policy
+    with pytest.raises(ValueError, match=r"share=0\.5 does nothing with sampler='pps'"):
+        parse_method("prob:h2o/share=0.5")
+    with pytest.raises(ValueError, match=r"core=0\.5 does nothing with sampler='poisson'"):
+        parse_method("prob:h2o/sampler=poisson/core=0.5")
+    with pytest.raises(ValueError, match="weights='counts' does nothing with sampler='poisson'"):
+        parse_method("prob:h2o/sampler=poisson/weights=counts")
+    with pytest.raises(ValueError, match=r"share must be in \[0, 1\]"):
+        parse_method("prob:h2o/sampler=poisson/share=2")
+    policy, obs = one_layer("prob:h2o/sampler=poisson/uniform_mix=0.5", t=40, hkv=1)
+    f = torch.linspace(0.1, 2.0, 40, dtype=F64) ** 2
+    totals = corrected_totals(policy, obs, f, range(400))
+    assert abs(float(totals.mean()) - float(f.sum())) <= 5 * float(totals.std()) / 20
+    assert "poisson" not in prob_designs.DESIGNS or prob_designs.DESIGNS["poisson"] is Poisson
+
+
+def test_parts_refuse_options_that_change_nothing():
+    """One spelling per behaviour: pps has no weights option (always 1 / P), tau=inf is
+    correct=false, a finite tau with correct=false is refused, and so are the pps designs with
+    the with-replacement sampler; each refusal names the option and why."""
+    with pytest.raises(ValueError, match=r"weights='counts' does nothing with sampler='pps': "):
+        parse_method("prob:h2o/weights=counts")
+    with pytest.raises(ValueError, match="pps always weighs a kept entry by 1 / P_i"):
+        ProbabilisticPolicy(score="h2o", weights="inclusion")
+    assert parse_method("prob:h2o/tau=inf") == parse_method("prob:h2o/correct=false")
+    assert parse_method("prob:h2o/correct=false/tau=inf") == parse_method("prob:h2o/correct=false")
+    assert method_name(parse_method("prob:h2o/tau=inf")) == "prob:h2o/correct=false"
+    uncorrected = parse_method("prob:streaming_llm/correct=false")  # its pps tau 2 is not set
+    assert "tau" not in uncorrected.option_values() and not uncorrected.corrected
+    with pytest.raises(ValueError, match="tau=2 with correct=false: tau tempers the"):
+        parse_method("prob:h2o/correct=false/tau=2")
+    with pytest.raises(ValueError, match="tau=1 with correct=false"):
+        parse_method("prob:h2o/tau=1/correct=false")
+    with pytest.raises(ValueError, match="core=0 does nothing with sampler='with_replacement'"):
+        parse_method("prob:h2o/sampler=with_replacement/core=0")
+    changed = dataclasses.replace(uncorrected, correct=True)  # tau back to its default
+    assert changed == parse_method("prob:streaming_llm") and changed.tau == 2.0
+    switched = dataclasses.replace(parse_method("prob:kvzip"), sampler="with_replacement")
+    assert switched == parse_method("prob:kvzip/sampler=with_replacement")
+
+
+def test_proposal_tau_zero_speaks_of_the_proposal():
+    with pytest.raises(ValueError, match=r"proposal_tau must be > 0 \(the proposal's temp"):
+        parse_method("prob:h2o/proposal_tau=0")
+    with pytest.raises(ValueError) as refused:
+        parse_method("prob:h2o/proposal_tau=0")
+    assert "correction" not in str(refused.value)
+
+
+@pytest.mark.parametrize("digits", [23, 5000])
+def test_seeds_outside_torch_range_are_refused_at_parse_time(digits):
+    """torch generators take 64-bit seeds (and each layer's is seed * 100003 + its index): a
+    larger seed is refused when the name is parsed, naming the range; even 5,000 digits."""
+    lo, hi = SEEDS
+    with pytest.raises(ValueError, match=rf"seed must be an integer in \[{lo}, {hi}\]"):
+        parse_method(f"prob:snapkv/seed={'9' * digits}")
+    policy = parse_method(f"prob:snapkv/seed={hi}", ratio=0.5)
+    obs = [synthetic(torch.randn(2, 20, generator=gen(1)), 0, layer) for layer in range(3)]
+    policy.select(obs, num_layers=3)  # the largest seed draws
+    with pytest.raises(ValueError, match=r"seed must be an integer in \[0, "):
+        parse_method("prob:snapkv/seed=-1")
+
+
+def test_defaults_live_in_one_table_and_docs_list_them():
+    """Every default of a prob: option is in prob_designs.DEFAULTS (the options of the parts
+    and designs, scope, seed and sampler: nothing else, nothing missing), docs/methods.md's
+    defaults table is exactly that table, and a global default scope needs the attention
+    scale."""
+    options = set(ProbabilisticPolicy.option_names())
+    assert set(prob_designs.DEFAULTS) == options
+    rows = defaults_rows()
+    text = (Path(__file__).parents[1] / "docs" / "methods.md").read_text()
+    table = text.split("<!-- prob-defaults -->")[1]
+    listed = [line for line in table.strip().splitlines() if line.startswith("| `")]
+    assert listed == rows
+    assert all(
+        scores.on_attention_scale(s)
+        for s, scope in prob_designs.DEFAULTS["scope"].items()
+        if s != "*" and scope == "global"
+    )
+
+
+def defaults_rows() -> list[str]:
+    """docs/methods.md's rows of the defaults table, from ``DEFAULTS``: option, default, and
+    the exceptions by score or by sampler, in the table's order."""
+
+    def shown(value) -> str:
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        if isinstance(value, float) and (math.isinf(value) or value.is_integer()):
+            return "inf" if math.isinf(value) else str(int(value))
+        return str(value)
+
+    rows = []
+    for option, table in prob_designs.DEFAULTS.items():
+        others = {}
+        for key, value in table.items():
+            if key == "*":
+                continue
+            where = f"`{key[1]}` with `{key[0]}`" if isinstance(key, tuple) else f"`{key}`"
+            others.setdefault(shown(value), []).append(where)
+        exceptions = "; ".join(f"`{v}` for {', '.join(w)}" for v, w in others.items())
+        rows.append(f"| `{option}` | `{shown(table['*'])}` | {exceptions or 'none'} |")
+    return rows
+
+
+def test_each_part_checks_itself():
+    """The parts cannot be built in a state that means nothing: bad values are refused by name
+    and the one redundant spelling (tau = inf) becomes the canonical one (correct=False)."""
+    with pytest.raises(ValueError, match=r"core must be in \[0, 1\]"):
+        prob_designs.Pps(core=2.0, block=8, order="random", units="blocks")
+    with pytest.raises(ValueError, match="weights must be one of 'counts', 'inclusion'"):
+        prob_designs.WithReplacement(weights="pps")
+    with pytest.raises(ValueError, match="tau=2 with correct=false"):
+        prob_designs.Weighting(correct=False, tau=2, calibrate=math.inf)
+    with pytest.raises(ValueError, match=r"calibrate=0\.1 calibrates the correction's weights"):
+        prob_designs.Weighting(correct=False, tau=math.inf, calibrate=0.1)
+    assert prob_designs.Weighting(True, math.inf, math.inf) == prob_designs.Weighting(
+        False, math.inf, math.inf
+    )
+    with pytest.raises(ValueError, match=r"uniform_mix must be in \(0, 1\]"):
+        prob_designs.Proposal(proposal_tau=1.0, uniform_mix=0.0, pool=1, recent=0.0)
+    policy = ProbabilisticPolicy(
+        score="h2o",
+        design=prob_designs.WithReplacement("counts"),
+        weighting=prob_designs.Weighting(True, 2.0, math.inf),
+    )
+    assert policy == parse_method("prob:h2o/sampler=with_replacement/weights=counts/tau=2")

@@ -507,9 +507,9 @@ def test_bad_fields_fail_at_construction_naming_the_value():
     with pytest.raises(ValueError, match=r"alpha must be in \[0, 1\].*got 1.5"):
         TopKPolicy(score="snapkv", head_budgets="ada", alpha=1.5)
     with pytest.raises(ValueError, match=r"beta \(PyramidKV\) must be >= 1.*got 0.5"):
-        TopKPolicy(score="snapkv", beta=0.5)
+        TopKPolicy(score="snapkv", layer_budgets="pyramid", beta=0.5)
     with pytest.raises(ValueError, match=r"beta .* finite"):
-        TopKPolicy(score="snapkv", beta=float("nan"))
+        TopKPolicy(score="snapkv", layer_budgets="pyramid", beta=float("nan"))
     with pytest.raises(ValueError, match="layer_budgets must be one of 'uniform', 'pyramid'"):
         TopKPolicy(layer_budgets="steep")
     with pytest.raises(ValueError, match=r"recent must be in \[0, 1\]"):

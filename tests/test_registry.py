@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 
+import numpy as np
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
@@ -21,6 +22,7 @@ from probkv.policies import (
     parse_method,
     top_k_versions,
 )
+from probkv.policies.prob_designs import default
 from probkv.scores import SCORE_NAMES, needs_reconstruction
 
 NAMED = [
@@ -77,7 +79,9 @@ def test_named_methods_are_what_they_say():
             heads,
             params,
         )
-        assert (p.alpha, p.beta, p.recent) == (0.2, 20.0, 0.0)
+        alpha = 0.2 if heads == "ada" else None  # alpha acts with Ada-KV budgets only
+        beta = 20.0 if layers == "pyramid" else None  # beta with pyramid layers only
+        assert (p.alpha, p.beta, p.recent) == (alpha, beta, 0.0)
 
 
 def test_default_score_params_are_the_score_functions_defaults_except_snapkv_gqa():
@@ -119,7 +123,9 @@ def test_python_api_and_names_agree():
         ("h2o/layer_budgets=pyramid", "h2o/layer_budgets=pyramid"),
         ("prob:min-h/tau=2.0/scope=global", "prob:min-h/scope=global/tau=2"),
         ("prob:h2o/correct=false", "prob:h2o/correct=false"),
-        ("prob:h2o/tau=inf", "prob:h2o/tau=inf"),
+        ("prob:h2o/tau=inf", "prob:h2o/correct=false"),  # one spelling of no correction
+        ("prob:h2o/correct=false/tau=inf", "prob:h2o/correct=false"),
+        ("prob:streaming_llm/correct=false", "prob:streaming_llm/correct=false"),
         ("prob:snapkv/window=8/gqa=mixture", "prob:snapkv/gqa=mixture/window=8"),
         ("ada_snapkv/alpha=0.20", "ada_snapkv"),
         ("ada_snapkv/alpha=0.5", "ada_snapkv/alpha=0.5"),
@@ -180,44 +186,27 @@ VALUES = {
     "block": ["1", "4", "8"],
     "order": ["position", "random"],
     "units": ["blocks", "spans"],
-    "gap": ["0", "1", "2"],
-    "coordination": ["none", "positive", "negative"],
-    "tail": ["kvzip", "h2o-rec", "min-rec"],
     "pool": ["1", "3", "7"],
     "calibrate": ["inf", "0.01", "1"],
 }
-SPAN_DEFAULTS = {  # S10: designs of pps
-    "core=0",
-    "block=1",
-    "order=position",
-    "units=blocks",
-    "gap=0",
-    "coordination=none",
-}
-SPAN_OPTIONS = ("core", "block", "order", "units", "gap", "coordination")
+SPAN_OPTIONS = ("core", "block", "order", "units")  # S10: designs of pps
 
 
-def span_design_without_pps(options: list[str]) -> bool:
-    span = [o for o in options if o.split("=")[0] in SPAN_OPTIONS]
-    return "sampler=with_replacement" in options and not set(span) <= SPAN_DEFAULTS
-
-
-def gap_without_spans(name: str, options: list[str]) -> bool:
-    """A gap > 0 where the units (given, or the method's default) are not spans."""
-    if not any(o.startswith("gap=") and o != "gap=0" for o in options):
-        return False
-    units = [o for o in options if o.startswith("units=")]
-    return units != ["units=spans"] and (units or name != "prob:kvzip")
-
-
-def tail_refused(name: str, options: list[str]) -> bool:
-    """A tail other than the score itself where the score is not a reconstruction score or the
-    sampler is not pps (S10.2; refused by name, tests/test_policies_probabilistic.py)."""
-    tails = [o.split("=")[1] for o in options if o.startswith("tail=")]
-    score = name.split(":")[-1]
-    if not tails or tails[0] == score:
-        return False
-    return not needs_reconstruction(score) or "sampler=with_replacement" in options
+def does_nothing(name: str, options: list[str]) -> bool:
+    """Options that could not change what the method does, refused by name (tests below): pps
+    options with the with-replacement sampler, weights with pps, tau with correct=false, alpha
+    without Ada-KV head budgets, beta without pyramid layer budgets."""
+    keys = {o.split("=")[0]: o.split("=")[1] for o in options}
+    with_replacement = keys.get("sampler") == "with_replacement"
+    if with_replacement and any(k in keys for k in SPAN_OPTIONS):
+        return True
+    if name.startswith("prob:") and not with_replacement and "weights" in keys:
+        return True
+    if keys.get("correct") == "false" and keys.get("tau", "inf") != "inf":
+        return True
+    ada = name in ("ada_snapkv", "ada_pyramidkv", "ada_kvzip") or keys.get("head_budgets") == "ada"
+    pyramid = name in ("pyramidkv", "ada_pyramidkv") or keys.get("layer_budgets") == "pyramid"
+    return ("alpha" in keys and not ada) or ("beta" in keys and not pyramid)
 
 
 def calibrate_refused(name: str, options: list[str]) -> bool:
@@ -237,9 +226,7 @@ def test_parse_and_name_round_trip(data):
     name = data.draw(st.sampled_from([n for n in method_names() if n != "full"]))
     keys = data.draw(st.lists(st.sampled_from(method_options(name)), unique=True, max_size=5))
     options = [f"{k}={data.draw(st.sampled_from(VALUES[k]))}" for k in keys]
-    assume(not span_design_without_pps(options))  # refused by name (test below)
-    assume(not gap_without_spans(name, options))  # refused by name (test below)
-    assume(not tail_refused(name, options))
+    assume(not does_nothing(name, options))  # refused by name (tests below)
     assume(not calibrate_refused(name, options))
     spec = "/".join([name, *options])
     ratio = data.draw(st.sampled_from([0.0, 0.25, 0.5, 0.9]))
@@ -329,13 +316,11 @@ def test_method_options_per_family():
         ("snapkv/pool=0", "pool must be an odd integer >= 1 .*got 0"),
         (
             "prob:h2o/sampler=with_replacement/block=8",
-            r"core=0.0, block=8, order='position', units='blocks': these are designs of "
-            r"sampler='pps' \(S10.2-S10.4\); sampler='with_replacement' allows only core=0, "
-            r"block=1",
+            r"block=8 does nothing with sampler='with_replacement': it is one of the designs "
+            r"of sampler='pps' \(S10.2-S10.4\); omit block",
         ),
+        ("prob:h2o/sampler=with_replacement/block=1", "block=1 does nothing with sampler="),
         ("prob:h2o/sampler=with_replacement/units=spans", "designs of sampler='pps'"),
-        ("prob:h2o/gap=1", "gap=1 bridges low entries inside spans: it needs units='spans'"),
-        ("prob:kvzip/gap=two", "gap must be an integer >= 0"),
         ("prob:h2o/sampler=with_replacement/order=random", "designs of sampler='pps'"),
         ("prob:h2o/sampler=with_replacement/core=0.5", "designs of sampler='pps'"),
     ],
@@ -365,7 +350,7 @@ def test_prob_kvzip_budget_is_global_by_default():
     assert ProbabilisticPolicy(score="kvzip").scope == "global"
     for name in ("prob:kvzip", "prob:kvzip/scope=head", "prob:h2o/scope=global"):
         assert method_name(parse_method(name, 0.5)) == name
-    global_scores = [s for s in SCORE_NAMES if scores.budget_scope(s) == "global"]
+    global_scores = [s for s in SCORE_NAMES if default("scope", s, "pps") == "global"]
     assert global_scores == ["kvzip", "h2o-rec", "min-rec"]  # the reconstruction scores
 
 
@@ -387,24 +372,15 @@ def test_prob_core_defaults_follow_the_score_and_the_sampler():
         "h2o-rec": 0.5,
         "min-rec": 0.5,
     }
-    assert {s: scores.prob_core(s) for s in SCORE_NAMES} == measured
+    assert {s: default("core", s, "pps") for s in SCORE_NAMES} == measured
     for score, core in measured.items():
         assert parse_method(f"prob:{score}").core == core
-        assert parse_method(f"prob:{score}/sampler=with_replacement").core == 0.0
+        assert "core" not in parse_method(f"prob:{score}/sampler=with_replacement").option_values()
         assert method_name(parse_method(f"prob:{score}/core=0.25")) == f"prob:{score}/core=0.25"
     assert parse_method("prob:snapkv").core == 0.0
     names = ("prob:kvzip/core=0", "prob:kvzip/sampler=with_replacement", "prob:kvzip/core=1")
     for name in names:
         assert method_name(parse_method(name, 0.75)) == name
-    with pytest.raises(ValueError, match="prob_core"):
-        scores.ScoreSpec(scores.knorm, ("key",), prob_core=1.5)
-
-
-def test_budget_scope_global_needs_the_attention_scale():
-    with pytest.raises(ValueError, match="budget_scope"):
-        scores.ScoreSpec(scores.knorm, ("key",), budget_scope="global")
-    with pytest.raises(ValueError, match="budget_scope"):
-        scores.ScoreSpec(scores.knorm, ("key",), budget_scope="layer")
 
 
 def test_kvzip_names():
@@ -465,16 +441,15 @@ def test_prob_block_defaults_follow_the_score_and_the_sampler():
     """S10.3: blocks of 8 by default, spans of at most 32 entries for ``kvzip``
     (docs/evaluation.md, "Spans for `prob:kvzip`"); the with-replacement sampler has single
     entries; the canonical name drops the score's own defaults and keeps any other design."""
-    blocks = {s: scores.prob_block(s) for s in SCORE_NAMES}
-    assert blocks == {s: (32 if s == "kvzip" else scores.DEFAULT_PROB_BLOCK) for s in SCORE_NAMES}
-    units = {s: scores.prob_units(s) for s in SCORE_NAMES}
+    blocks = {s: default("block", s, "pps") for s in SCORE_NAMES}
+    assert blocks == {s: (32 if s == "kvzip" else 8) for s in SCORE_NAMES}
+    units = {s: default("units", s, "pps") for s in SCORE_NAMES}
     assert units == {s: ("spans" if s == "kvzip" else "blocks") for s in SCORE_NAMES}
-    assert scores.DEFAULT_PROB_BLOCK == 8
     kvzip = parse_method("prob:kvzip")
     assert (kvzip.block, kvzip.units) == (32, "spans")
     assert (parse_method("prob:h2o-rec").block, parse_method("prob:h2o-rec").units) == (8, "blocks")
     plain = parse_method("prob:kvzip/sampler=with_replacement")
-    assert (plain.block, plain.units) == (1, "blocks")
+    assert getattr(plain, "block", 1) == 1 and not hasattr(plain, "units")  # no units
     assert method_name(parse_method("prob:kvzip/block=32/units=spans", 0.5)) == "prob:kvzip"
     assert method_name(parse_method("prob:kvzip/block=1", 0.5)) == "prob:kvzip/block=1"
     assert (
@@ -482,7 +457,64 @@ def test_prob_block_defaults_follow_the_score_and_the_sampler():
         == "prob:kvzip/block=8/units=blocks"
     )
     assert method_name(parse_method("prob:knorm/block=1", 0.5)) == "prob:knorm/block=1"
-    with pytest.raises(ValueError, match="prob_units"):
-        scores.ScoreSpec(scores.knorm, ("key",), prob_units="words")
-    with pytest.raises(ValueError, match="prob_block"):
-        scores.ScoreSpec(scores.knorm, ("key",), prob_block=0)
+
+
+# ------------------------------------------------- options that change nothing, bad values
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("snapkv/alpha=0.5", "`?alpha`? only acts with Ada-KV head budgets"),
+        ("topk:kvzip/alpha=0.3", "alpha only acts with Ada-KV head budgets"),
+        ("h2o/layer_budgets=global/alpha=0.1", "alpha only acts with Ada-KV head budgets"),
+        ("snapkv/beta=5", "beta only acts with pyramid layer budgets"),
+        ("ada_snapkv/beta=5", "beta only acts with pyramid layer budgets"),
+        ("topk:h2o/head_budgets=ada/beta=2", "beta only acts with pyramid layer budgets"),
+        ("prob:snapkv/weights=counts", "pps always weighs a kept entry by 1 / P_i"),
+        ("prob:h2o/correct=false/tau=2", "tau tempers the correction's weights"),
+    ],
+)
+def test_options_that_change_nothing_are_refused_with_the_reason(spec, message):
+    with pytest.raises(ValueError, match=message):
+        parse_method(spec)
+
+
+def test_alpha_and_beta_where_they_act():
+    """alpha with Ada-KV head budgets and beta with pyramid layers are options (defaults 0.2
+    and 20, dropped from canonical names); elsewhere they are None."""
+    assert parse_method("ada_snapkv/alpha=0.5").alpha == 0.5
+    assert method_name(parse_method("topk:h2o/head_budgets=ada/alpha=0.2")) == (
+        "h2o/head_budgets=ada"
+    )
+    assert method_name(parse_method("h2o/layer_budgets=pyramid/beta=20")) == (
+        "h2o/layer_budgets=pyramid"
+    )
+    assert parse_method("pyramidkv/beta=5").beta == 5.0
+    plain = parse_method("snapkv")
+    assert (plain.alpha, plain.beta) == (None, None)
+
+
+def test_ratio_of_any_real_number_type():
+    """numpy's float32 (no Python float subclass) is a ratio like float64; bools are not."""
+    assert parse_method("snapkv", np.float32(0.5)) == parse_method("snapkv", 0.5)
+    assert parse_method("prob:h2o", np.float64(0.25)).ratio == 0.25
+    assert parse_method("snapkv", np.int64(0)).ratio == 0.0
+    assert TopKPolicy(score="h2o", ratio=np.float32(0.75)).ratio == 0.75
+    for bad in (True, np.bool_(True), "0.5"):
+        with pytest.raises(ValueError, match="ratio must be a number in"):
+            parse_method("snapkv", bad)
+
+
+def test_huge_integers_parse_as_integers():
+    """An option of thousands of digits is an integer, refused by its own check (not read
+    as the float inf)."""
+    with pytest.raises(ValueError, match=r"seed must be an integer in \[0, ") as refused:
+        parse_method("prob:snapkv/seed=" + "9" * 5000)
+    assert "inf" not in str(refused.value)
+    with pytest.raises(ValueError, match="seed must be an integer in"):
+        parse_method("prob:snapkv/seed=99999999999999999999999")
+    with pytest.raises(ValueError, match=r"option 'tau' .* is an integer too large for a"):
+        parse_method("prob:h2o/tau=" + "7" * 5000)
+    with pytest.raises(ValueError, match=r"option 'beta' .* is an integer too large for a"):
+        parse_method("pyramidkv/beta=" + "7" * 400)

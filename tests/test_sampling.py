@@ -496,6 +496,72 @@ def test_systematic_sample_inclusion_frequencies_match_P():
     assert abs(sizes.mean().item() - 4.4) <= Z * math.sqrt(0.4 * 0.6 / S)
 
 
+# The second pps implementation the library once ran (per-entry capping by sort and suffix sums,
+# and a systematic draw in index order), kept here as a reference: production runs one
+# implementation for entries and units alike (``sampling.capped_scale``, ``_systematic``), and
+# these check it reproduces the entry case bit for bit.
+
+
+def _sorted_capping_reference(p: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """S9 capping per row of ``p`` ``[R, n]`` float64 for budgets ``k`` ``[R]``: sort each row,
+    cap the ``c`` largest with ``lam_c = (k - c) / S_c``, take the smallest ``c`` with
+    ``lam_c p_(c+1) <= 1``; ``P = min(1, lam p)``."""
+    s = p.sort(-1, descending=True).values
+    rest = s.flip(-1).cumsum(-1).flip(-1)
+    c = torch.arange(s.shape[-1], dtype=torch.float64)
+    ok = ((k.unsqueeze(-1) - c) * s <= rest) & (c < k.unsqueeze(-1))
+    first = ok.to(torch.int8).argmax(-1)
+    num = torch.where(k > 0, k - first.to(torch.float64), 0.0).unsqueeze(-1)
+    den = rest.gather(-1, first.unsqueeze(-1))
+    return torch.where((p > 0) & (num > 0), (num * (p / den)).clamp(max=1.0), 0.0)
+
+
+def _index_order_systematic_reference(P: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Systematic sampling in index order at offsets ``u`` ``[R]``, entry by entry in Python:
+    keep ``i`` iff ``[C_(i-1), C_i)`` holds a point ``u + j`` (take-all entries left out, a
+    total within 1e-9 of an integer snapped to it)."""
+    out = torch.zeros(P.shape, dtype=torch.bool)
+    for r, row in enumerate(P.tolist()):
+        total = math.fsum(x for x in row if x < 1.0)
+        cum, whole = 0.0, round(total)
+        snap = abs(torch.tensor(total) - whole) <= 1e-9 * max(whole, 1.0)
+        prev = 0.0
+        sums = torch.tensor([x if x < 1.0 else 0.0 for x in row], dtype=torch.float64).cumsum(0)
+        if snap:
+            sums = torch.minimum(sums, torch.tensor(float(whole), dtype=torch.float64))
+            sums[-1] = float(whole)
+        for i, x in enumerate(row):
+            if x == 1.0:
+                out[r, i] = True
+                continue
+            cum = math.ceil(float(sums[i]) - float(u[r]))
+            out[r, i] = cum > prev
+            prev = cum
+    return out
+
+
+@SETTINGS
+@given(
+    kind=st.sampled_from(KINDS), t=st.integers(1, 80), seed=st.integers(0, 10**6), data=st.data()
+)
+def test_pps_is_the_sorted_capping_and_index_order_draw_bit_for_bit(kind, t, seed, data):
+    """The one production pps (units of size 1) against the per-entry references above: the
+    same inclusion probabilities bit for bit, per head and with one global scale, and the same
+    kept entries for the same generator state."""
+    pi = torch.stack([make_proposal(kind, t, seed + h) for h in range(3)])
+    k = torch.tensor([data.draw(st.integers(0, t)) for _ in range(3)])
+    P = pps_inclusion_probabilities(pi, k)
+    p = pi.double() / pi.double().sum(-1, keepdim=True)
+    assert torch.equal(P, _sorted_capping_reference(p, k.double()))
+    flat = p.reshape(1, -1)
+    budget = (1.0 - 0.6) * t * 3  # as the global pps computes it
+    want = _sorted_capping_reference(flat, torch.tensor([budget], dtype=torch.float64))
+    assert torch.equal(pps_inclusion_probabilities_global(pi, 0.6).reshape(1, -1), want)
+    g = gen(seed)
+    u = torch.rand((3, 1), generator=gen(seed), dtype=torch.float64)[:, 0]
+    assert torch.equal(systematic_sample(P, g), _index_order_systematic_reference(P, u))
+
+
 # ---------------------------------------------------------------------------- bad input
 
 

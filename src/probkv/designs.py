@@ -14,14 +14,11 @@ budget and the Horvitz-Thompson weights ``1 / P`` (so S4's correction stays unbi
   ``units="spans"`` cuts the units where the proposal does instead (``spans``): a run of
   above-average entries (a number's digits) is one unit of at most ``block`` entries;
 - the visiting order of systematic sampling (S10.4): ``visit_order`` (position, or a seeded
-  random permutation), ``systematic_sample_ordered`` (pure: the offset is an argument) and
-  ``sample_design``, which draws a design's kept entries;
-- coordinated Poisson sampling (S10.4): ``permanent_numbers`` draws one uniform number per
-  position, shared by every head of every layer, and ``sample_design_coordinated`` keeps a
-  unit when the number at its first entry (shifted by the head's offset, modulo 1) is below
-  ``P_k``: the same marginals ``P_k`` and weights, a random kept count; with no offsets heads
-  keep the same positions together (positive coordination), with ``spread_offsets`` they keep
-  them apart (negative coordination).
+  random permutation) and ``sample_design``, which draws a design's kept entries with
+  ``sampling.systematic_sample_ordered``.
+
+The capping that finds ``lam`` and the systematic draw are ``probkv.sampling``'s (one
+implementation of pps: ``sampling.capped_scale`` takes units of any size);
 
 Conventions (as ``probkv.sampling``): rows ``[R, t]``, one per KV head; float64 arithmetic;
 entries with ``pi = 0`` are outside the design (always-kept or core entries, kept by the caller
@@ -44,21 +41,9 @@ from probkv._checks import check_choice, check_ratio
 ORDERS = ("position", "random")
 """Visiting orders of systematic sampling (S10.4)."""
 
-COORDINATIONS = ("none", "positive", "negative")
-"""How heads' samples relate (S10.4): independent systematic draws, or Poisson draws from
-shared permanent random numbers, unshifted (``positive``) or spread by head (``negative``)."""
-# Stream of the permanent random numbers: seeded by the policy's seed only (never the layer),
-# so every layer of one eviction, and every later eviction with that seed, shares them.
-PRN_STREAM = 99_991
-GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0  # the golden ratio's fractional part (spread_offsets)
-
 UNITS = ("blocks", "spans")
 """Sampling units of the pps designs (S10.3): ``"blocks"``, runs of ``block`` consecutive
 entries; ``"spans"``, runs of above-average proposal of at most ``block`` entries (``spans``)."""
-
-SNAP = 1e-9
-"""A total inclusion within ``SNAP`` (relative) of an integer is that integer (float rounding),
-as in ``sampling.systematic_sample``."""
 
 
 @dataclass(frozen=True)
@@ -256,7 +241,7 @@ def blocks(eligible: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tens
     return units, sizes
 
 
-def spans(p: torch.Tensor, block: int, gap: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def spans(p: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Partition each row's eligible entries (``p > 0``) into spans (S10.3, ``units="spans"``).
 
     An entry is *high* when its ``p`` is at least the mean of ``p`` over the row's eligible
@@ -267,26 +252,16 @@ def spans(p: torch.Tensor, block: int, gap: int = 0) -> tuple[torch.Tensor, torc
     surely (a number's digits) is kept or dropped whole, with the probability of the run.
     ``block = 1``: every entry is a unit (S9's pps).
 
-    ``gap``: a run of at most ``gap`` low entries between two high ones joins the span, so a
-    separator the model predicts easily (the ``-`` of a UUID, the ``.`` of a date) does not
-    split it. The cut still depends on the proposal only.
-
     Returns ``(units, sizes)`` as ``blocks`` does (``K`` = the largest number of units of a row).
     """
     _rows(p, "p")
     block = check_block(block)
-    gap = check_gap(gap)
     eligible = p > 0
     rows, t = p.shape
     count = eligible.sum(-1, keepdim=True)
     mean = torch.where(eligible, p, 0.0).sum(-1, keepdim=True) / count.clamp(min=1)
     high = eligible & (p >= mean)
     rank = eligible.to(torch.int64).cumsum(-1) - 1
-    if gap > 0:  # bridge: the high entries before and after are at most gap + 1 ranks apart
-        far = t + gap + 2  # no high entry on that side: never within gap + 1
-        before = torch.where(high, rank, -far).cummax(-1).values
-        after = torch.where(high, rank, far).flip(-1).cummin(-1).values.flip(-1)
-        high = high | (eligible & (after - before <= gap + 1))
     position = torch.arange(t, device=p.device).expand(rows, t)
     # the previous eligible entry of each entry (-1: none), and whether it is high
     last = torch.where(eligible, position, -1).cummax(-1).values
@@ -302,66 +277,17 @@ def spans(p: torch.Tensor, block: int, gap: int = 0) -> tuple[torch.Tensor, torc
     return units, sizes
 
 
-def check_gap(gap: int, units: str = "spans", name: str = "gap") -> int:
-    """Low entries bridged inside a span (``spans``): an integer ``>= 0``, and 0 unless
-    ``units`` is ``"spans"``."""
-    if isinstance(gap, bool) or not isinstance(gap, numbers.Integral) or gap < 0:
-        raise ValueError(
-            f"{name} must be an integer >= 0 (low entries bridged inside a span), got {gap!r}"
-        )
-    if gap > 0 and units != "spans":
-        raise ValueError(
-            f"{name}={gap!r} bridges low entries inside spans: it needs units='spans', "
-            f"got units={units!r}"
-        )
-    return int(gap)
-
-
 def check_units(units: str) -> str:
     """``"blocks"`` or ``"spans"`` (``UNITS``)."""
     return check_choice(units, UNITS, "units")
 
 
-def capped_scale(
-    mass: torch.Tensor, sizes: torch.Tensor, n: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``lam = num / den`` per row with ``sum_k |B_k| min(1, lam M_k) = n`` (S10.3 capping).
-
-    S9's iterative capping with units of unequal sizes: sorting units by decreasing mass and
-    capping the ``c`` largest leaves ``lam_c = (n - W_c) / S_c`` with ``W_c`` the entries of the
-    capped units and ``S_c = sum_{j >= c} |B_j| M_j``; the sum is non-decreasing and continuous
-    in ``lam``, and the solution is the smallest ``c`` with ``(n - W_c) M_(c) <= S_c``. With all
-    sizes 1 this is ``sampling._pps_scale`` (the same floating-point operations). ``den = 0``
-    when ``n`` is at least the row's total size (every unit gets ``P = 1``), ``num = 0`` when
-    ``n = 0``.
-
-    Args: ``mass`` float64 ``[R, K]`` non-negative, ``sizes`` int64 ``[R, K]``, ``n`` float64
-    ``[R]`` non-negative. Returns float64 ``(num, den)``, each ``[R]``.
-    """
-    pad = mass.new_zeros(mass.shape[0], 1)  # sentinel: some c always qualifies
-    s, order = torch.cat([mass, pad], -1).sort(-1, descending=True)  # ties: equal values
-    z = torch.cat([sizes.to(torch.float64), pad], -1).gather(-1, order)
-    capped = z.cumsum(-1) - z  # W_c
-    rest = (z * s).flip(-1).cumsum(-1).flip(-1)  # S_c
-    nn = n.unsqueeze(-1)
-    ok = ((nn - capped) * s <= rest) & (capped < nn)
-    first = ok.to(torch.int8).argmax(-1, keepdim=True)  # n = 0: none qualifies, num = 0
-    num = torch.where(n > 0, n - capped.gather(-1, first).squeeze(-1), 0.0)
-    return num, rest.gather(-1, first).squeeze(-1)
-
-
-def _capped(mass: torch.Tensor, num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
-    """``min(1, (num / den) M)`` as ``num * (M / den)`` (as ``sampling._capped``)."""
-    num, den = num.unsqueeze(-1), den.unsqueeze(-1)
-    return torch.where((mass > 0) & (num > 0), (num * (mass / den)).clamp(max=1.0), 0.0)
-
-
 def _units(
-    p: torch.Tensor, block: int, kind: str = "blocks", gap: int = 0
+    p: torch.Tensor, block: int, kind: str = "blocks"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(units, sizes, masses)`` of the blocks (or spans) of the entries with ``p > 0``."""
-    check_gap(gap, check_units(kind))
-    units, sizes = blocks(p > 0, block) if kind == "blocks" else spans(p, block, gap)
+    check_units(kind)
+    units, sizes = blocks(p > 0, block) if kind == "blocks" else spans(p, block)
     masses = torch.zeros(sizes.shape, dtype=torch.float64, device=p.device)
     masses.scatter_add_(-1, units.clamp(min=0), torch.where(units >= 0, p, 0.0))
     return units, sizes, masses
@@ -374,7 +300,6 @@ def block_design(
     *,
     outside: torch.Tensor | None = None,
     units: str = "blocks",
-    gap: int = 0,
 ) -> UnitDesign:
     """Block pps per row (S10.3): units of ``block`` consecutive entries with ``pi > 0`` not
     ``outside``, ``P_k = min(1, lam M_k)`` with ``sum_k |B_k| P_k = n`` (expected entries kept).
@@ -393,12 +318,11 @@ def block_design(
         outside: optional bool ``[R, t]``: more entries left out of the design (the core).
         units: ``"blocks"`` (runs of ``block`` entries) or ``"spans"`` (``spans``: runs of
             above-average proposal, at most ``block`` entries, after ``outside`` is removed).
-        gap: with ``units="spans"``, the longest run of low entries bridged inside a span.
     """
     p = _mass(pi, outside, "pi")
-    unit_of, sizes, masses = _units(p, block, units, gap)
-    num, den = capped_scale(masses, sizes, _per_row(n, p.shape[0], "n", p.device))
-    return UnitDesign(unit_of, _capped(masses, num, den), sizes, units)
+    unit_of, sizes, masses = _units(p, block, units)
+    num, den = sampling.capped_scale(masses, sizes, _per_row(n, p.shape[0], "n", p.device))
+    return UnitDesign(unit_of, sampling.capped(masses, num, den), sizes, units)
 
 
 def global_budget(
@@ -422,7 +346,6 @@ def block_design_global(
     outside: Sequence[torch.Tensor] | None = None,
     row_mass: Sequence[torch.Tensor] | None = None,
     units: str = "blocks",
-    gap: int = 0,
 ) -> list[UnitDesign]:
     """``block_design`` with one ``lam`` for every row of every tensor (scope "global", S9):
     ``sum`` over all heads of ``sum_k |B_k| P_k`` is ``n``. With ``block = 1`` this is
@@ -431,7 +354,7 @@ def block_design_global(
     head's weight against the others, 1 if None), before ``outside`` (one mask per tensor)
     zeroes entries, so ``lam`` compares the heads as weighed: ``P = min(1, lam m_h pi)`` on the
     remaining entries. A head's own expected size is then real, and its kept count random
-    (``sample_design``). ``units`` and ``gap`` as in ``block_design`` (spans are cut per row, on
+    (``sample_design``). ``units`` as in ``block_design`` (spans are cut per row, on
     its own mean)."""
     if not isinstance(pis, (list, tuple)) or len(pis) == 0:
         raise ValueError("pis must be a non-empty list of tensors [rows, t]")
@@ -440,13 +363,14 @@ def block_design_global(
         raise ValueError(f"outside must hold one mask per tensor ({len(pis)}), got {len(masks)}")
     weights = sampling.row_masses(row_mass, pis)
     parts = [
-        _units(_mass(p, o, f"pis[{i}]", row_mass=w), block, units, gap)
+        _units(_mass(p, o, f"pis[{i}]", row_mass=w), block, units)
         for i, (p, o, w) in enumerate(zip(pis, masks, weights))
     ]
     flat_mass = torch.cat([m.reshape(1, -1) for _, _, m in parts], -1)
     flat_sizes = torch.cat([s.reshape(1, -1) for _, s, _ in parts], -1)
-    num, den = capped_scale(flat_mass, flat_sizes, _per_row(n, 1, "n", flat_mass.device))
-    return [UnitDesign(u, _capped(m, num, den), s, units) for u, s, m in parts]
+    n_all = _per_row(n, 1, "n", flat_mass.device)
+    num, den = sampling.capped_scale(flat_mass, flat_sizes, n_all)
+    return [UnitDesign(u, sampling.capped(m, num, den), s, units) for u, s, m in parts]
 
 
 # ------------------------------------------------------------- visiting order (S10.4)
@@ -475,55 +399,6 @@ def visit_order(
     return keys.argsort(dim=-1, stable=True)
 
 
-def systematic_sample_ordered(
-    inclusion: torch.Tensor, order: torch.Tensor, offset: torch.Tensor
-) -> torch.Tensor:
-    """Systematic sampling visiting units in ``order``, for a given offset (S9, S10.4).
-
-    Per row, units are laid end to end in the order ``order[r, 0], order[r, 1], ...`` as
-    intervals of lengths ``P_k``; unit ``k`` is kept iff its interval ``[C_(k-1), C_k)``
-    contains a point of ``offset + {0, 1, 2, ...}``. Units with ``P = 1`` are always kept and
-    left out of the sums (an interval of length 1 holds exactly one point), as are zeros
-    (never kept). For an offset uniform on ``[0, 1)``, unit ``k`` is kept with probability
-    exactly ``P_k`` whatever the order; the order decides which units are kept together. A row
-    keeps ``floor(sum P)`` or ``ceil(sum P)`` units (``round`` when the sum is within ``SNAP``
-    of an integer). With ``order`` the identity this is ``sampling.systematic_sample``.
-
-    Args:
-        inclusion: float ``[R, K]`` in ``[0, 1]``.
-        order: int64 ``[R, K]``, a permutation of ``0..K-1`` per row (``visit_order``).
-        offset: float ``[R]`` in ``[0, 1)``.
-
-    Returns:
-        bool ``[R, K]``, indexed like ``inclusion``.
-    """
-    P = _rows(inclusion, "inclusion").to(torch.float64)
-    if not torch.isfinite(P).all() or (P < 0).any() or (P > 1).any():
-        raise ValueError("inclusion probabilities must lie in [0, 1]")
-    if not isinstance(order, torch.Tensor) or order.shape != P.shape:
-        raise ValueError(f"order must be an int64 tensor of shape {tuple(P.shape)}")
-    if order.dtype != torch.int64 or (order < 0).any() or (order >= P.shape[-1]).any():
-        raise ValueError("order must hold a permutation of 0..K-1 in every row")
-    seen = torch.zeros_like(order).scatter_add_(-1, order, torch.ones_like(order))
-    if not (seen == 1).all():
-        raise ValueError("order must hold a permutation of 0..K-1 in every row")
-    u = torch.as_tensor(offset, dtype=torch.float64, device=P.device)
-    if u.shape != P.shape[:1] or not ((u >= 0) & (u < 1)).all():
-        raise ValueError(f"offset must be a tensor [{P.shape[0]}] in [0, 1)")
-    P = P.gather(-1, order)
-    take_all = P == 1.0
-    cum = torch.where(take_all, 0.0, P).cumsum(-1)
-    total = cum[..., -1:]
-    whole = total.round()
-    snap = (total - whole).abs() <= SNAP * whole.clamp(min=1.0)
-    cum = torch.where(snap, torch.minimum(cum, whole), cum)
-    cum[..., -1:] = torch.where(snap, whole, total)
-    points = torch.ceil(cum - u.unsqueeze(-1))  # points u + j (j >= 0) below C_k
-    before = torch.cat([torch.zeros_like(points[..., :1]), points[..., :-1]], -1)
-    hit = take_all | (points > before)
-    return torch.zeros_like(hit).scatter(-1, order, hit)
-
-
 def sample_design(design: UnitDesign, order: str, generator: torch.Generator) -> torch.Tensor:
     """The kept entries of a design (S10.3, S10.4): bool ``[R, t]``.
 
@@ -550,90 +425,5 @@ def sample_design(design: UnitDesign, order: str, generator: torch.Generator) ->
     offset = torch.rand(
         (rows, 1), generator=generator, dtype=torch.float64, device=design.inclusion.device
     )
-    kept_units = systematic_sample_ordered(design.inclusion, visit, offset[:, 0])
-    return kept_units.gather(-1, design.units.clamp(min=0)) & (design.units >= 0)
-
-
-# ----------------------------------------------------- coordinated Poisson sampling (S10.4)
-
-
-def permanent_numbers(
-    t: int, seed: int, *, device: torch.device | str | None = None
-) -> torch.Tensor:
-    """float64 ``[t]``: one uniform number in ``[0, 1)`` per position (S10.4's permanent random
-    numbers), from a generator seeded with ``seed`` alone. Positions, not heads or layers, own
-    the numbers, so every head that draws with them (``sample_design_coordinated``) sees the
-    same number at the same position."""
-    if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 1:
-        raise ValueError(f"t must be a positive integer (positions), got {t!r}")
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-        raise ValueError(f"seed must be an integer, got {seed!r}")
-    generator = torch.Generator(device=device or "cpu")
-    generator.manual_seed(int(seed) * 100_003 + PRN_STREAM)
-    return torch.rand(int(t), generator=generator, dtype=torch.float64, device=device)
-
-
-def first_entries(design: UnitDesign) -> torch.Tensor:
-    """int64 ``[R, K]``: the position of each unit's first entry (``t`` for padding units)."""
-    rows, t = design.units.shape
-    pos = torch.arange(t, device=design.units.device).expand(rows, t)
-    first = torch.full(design.inclusion.shape, t, dtype=torch.int64, device=pos.device)
-    inside = design.units >= 0
-    return first.scatter_reduce(
-        -1, design.units.clamp(min=0), torch.where(inside, pos, t), "amin", include_self=True
-    )
-
-
-def spread_offsets(head_ids: torch.Tensor) -> torch.Tensor:
-    """float64 offsets ``frac(g h)`` of global head numbers ``h`` (``g`` the golden ratio's
-    fractional part, S10.4's negative coordination): any run of ``n`` consecutive heads gets
-    offsets nearly evenly spread over ``[0, 1)`` (three-gap theorem: the gaps between them take
-    at most three values, none above ``2.7 / n``), so the shifted numbers of one position in
-    those heads are spread too."""
-    h = torch.as_tensor(head_ids)
-    if h.dtype not in (torch.int32, torch.int64) or (h < 0).any():
-        raise ValueError(f"head_ids must be non-negative integers, got {h!r}")
-    return torch.frac(h.to(torch.float64) * GOLDEN)
-
-
-def sample_design_coordinated(
-    design: UnitDesign, numbers_: torch.Tensor, offsets: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The kept entries of a design by coordinated Poisson sampling (S10.4): bool ``[R, t]``.
-
-    Unit ``k`` of row ``r`` is kept iff ``frac(u[f_k] + o_r) < P_k``, ``u = numbers_``
-    (``permanent_numbers``), ``f_k`` its first position and ``o_r = offsets[r]`` (0 if
-    ``None``). The units are a function of the proposal alone and ``frac(u + o)`` is uniform
-    and independent of it for any fixed ``o``, so entry ``i`` is kept with probability exactly
-    ``P_i`` (its unit's) and ``1 / P_i`` weights stay unbiased. Units of one row start at
-    different positions, so within a head the draws are independent (Poisson sampling: the
-    kept count is random, ``sum_k |B_k| P_k`` in expectation). Across heads, units that start
-    at the same position share ``u``: with equal offsets (positive coordination) heads with the
-    same ``P`` keep the same units and a head keeps a unit whenever a head with smaller ``P``
-    there does (joint keep ``min(P_a, P_b)``); with offsets spread over ``[0, 1)`` (negative
-    coordination) they keep it apart: ``n`` heads with offsets ``r / n`` and equal ``P`` keep
-    it in exactly ``floor(nP)`` or ``ceil(nP)`` of them, never all or none by chance
-    (``spread_offsets`` are close to that spacing for any run of consecutive heads).
-    """
-    t = design.units.shape[-1]
-    u = torch.as_tensor(numbers_)
-    if u.ndim != 1 or u.shape[0] < t or not torch.is_floating_point(u):
-        raise ValueError(
-            f"numbers_ must be a float tensor [>= {t}] (permanent_numbers), got shape "
-            f"{tuple(u.shape)} and dtype {u.dtype}"
-        )
-    if not ((u >= 0) & (u < 1)).all():
-        raise ValueError("numbers_ must lie in [0, 1)")
-    u = u[:t].to(device=design.inclusion.device, dtype=torch.float64)
-    numbers_at = u[first_entries(design).clamp(max=t - 1)]
-    if offsets is not None:
-        o = torch.as_tensor(offsets, dtype=torch.float64, device=u.device)
-        if o.shape != design.inclusion.shape[:1] or not ((o >= 0) & (o < 1)).all():
-            raise ValueError(
-                f"offsets must be a tensor [{design.inclusion.shape[0]}] in [0, 1), got "
-                f"shape {tuple(o.shape)}"
-            )
-        numbers_at = torch.frac(numbers_at + o.unsqueeze(-1))
-    # padding units (first position t) have P = 0 and are never kept
-    kept_units = numbers_at < design.inclusion
+    kept_units = sampling.systematic_sample_ordered(design.inclusion, visit, offset[:, 0])
     return kept_units.gather(-1, design.units.clamp(min=0)) & (design.units >= 0)

@@ -317,38 +317,6 @@ def corrected_attention(
     return out.flatten(0, 1).to(query.dtype)
 
 
-def eviction_time_estimate(
-    target: torch.Tensor,
-    values: torch.Tensor,
-    *,
-    log_weights: torch.Tensor,
-    kept: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Importance estimates of ``sum_i p~(i) v_i`` and ``Z = sum_i p~(i)`` at eviction time (S4).
-
-    ``(sum_{i kept} w_i p~(i) v_i, sum_{i kept} w_i p~(i))``, not self-normalised: with
-    ``tau = 1`` weights of any scheme, ``E[1{i kept} w_i] = 1`` for every entry, so both are
-    unbiased. (Their ratio is what corrected attention computes, which is only consistent.)
-
-    Shapes: ``target [..., t]`` non-negative unnormalised target (e.g. ``exp(scale q . k)``),
-    ``values [..., t, d_v]``, ``log_weights [..., t]``, ``kept`` bool ``[..., t]``.
-    Returns float64 ``([..., d_v], [...])``.
-    """
-    if not isinstance(target, torch.Tensor) or target.ndim == 0 or target.shape[-1] == 0:
-        raise ValueError("target must be a tensor [..., t] with t >= 1")
-    if not torch.isfinite(target).all() or (target < 0).any():
-        raise ValueError("target must be finite and non-negative (unnormalised probabilities)")
-    if values.shape[:-1] != target.shape or log_weights.shape != target.shape:
-        raise ValueError(
-            f"values must be [..., t, d_v] and log_weights [..., t] for target {tuple(target.shape)}; "
-            f"got {tuple(values.shape)} and {tuple(log_weights.shape)}"
-        )
-    kept = _bool_mask(kept, target.shape)
-    w = torch.where(kept, torch.exp(log_weights.to(torch.float64)), 0.0)
-    mass = w * target.to(torch.float64)
-    return (mass.unsqueeze(-1) * values.to(torch.float64)).sum(-2), mass.sum(-1)
-
-
 def kish_effective_sample_size(log_weights: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
     """Kish's effective sample size per row, ``(sum w)^2 / sum w^2`` over kept entries.
 

@@ -38,6 +38,10 @@ MAX_EXACT_COUNT = 2**53
 ROW_SUM_TOL = 1e-3
 """A proposal row may sum to ``1 +/- ROW_SUM_TOL`` (float32 rounding); it is renormalised."""
 
+SNAP = 1e-9
+"""A total inclusion within ``SNAP`` (relative) of an integer is that integer (float rounding):
+systematic sampling then keeps exactly that many."""
+
 Probabilities = torch.Tensor | Sequence[torch.Tensor]
 Count = int | torch.Tensor
 
@@ -165,31 +169,43 @@ def sample_counts(pi: torch.Tensor, m: Count, generator: torch.Generator) -> tor
 # --------------------------------------------------------------------------- pps (S9)
 
 
-def _pps_scale(p: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``lam = num / den`` per row with ``sum_i min(1, lam p_i) = k`` (S9 iterative capping).
+def capped_scale(
+    mass: torch.Tensor, sizes: torch.Tensor | None, n: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``lam = num / den`` per row with ``sum_k |B_k| min(1, lam M_k) = n`` (S9, S10.3 capping).
 
-    ``p`` ``[R, n]`` float64 non-negative, ``k`` ``[R]`` float64 ``>= 0``. Sorting each row in
-    decreasing order, capping the ``c`` largest entries leaves ``lam_c = (k - c) / S_c`` with
-    ``S_c`` the mass of the others; the solution is the smallest ``c`` with ``lam_c p_(c+1) <= 1``
-    (iterative capping stops exactly there). ``lam`` is returned as a fraction so that a tiny
-    ``S_c`` (subnormal masses) cannot overflow it; ``den = 0`` when a row has fewer than ``k``
-    positive entries (all of them get ``P = 1``), ``num = 0`` when ``k = 0``.
+    Iterative capping in closed form, for units of any sizes (entries: ``sizes=None``, all 1;
+    blocks or spans of ``probkv.designs``): sorting units by decreasing mass and capping the
+    ``c`` largest leaves ``lam_c = (n - W_c) / S_c`` with ``W_c`` the entries of the capped units
+    and ``S_c = sum_{j >= c} |B_j| M_j``; the sum is non-decreasing and continuous in ``lam``, and
+    the solution is the smallest ``c`` with ``(n - W_c) M_(c) <= S_c`` (iterative capping stops
+    exactly there). ``lam`` is returned as a fraction so that a tiny ``S_c`` (subnormal masses)
+    cannot overflow it; ``den = 0`` when ``n`` is at least the row's positive entries (all of
+    them get ``P = 1``), ``num = 0`` when ``n = 0``.
+
+    Args: ``mass`` float64 ``[R, K]`` non-negative, ``sizes`` int64 ``[R, K]`` or ``None``,
+    ``n`` float64 ``[R]`` non-negative. Returns float64 ``(num, den)``, each ``[R]``.
     """
-    s = p.sort(-1, descending=True).values
-    rest = s.flip(-1).cumsum(-1).flip(-1)  # rest[:, c] = S_c, mass outside the c largest
-    c = torch.arange(s.shape[-1], dtype=torch.float64, device=p.device)
-    kk = k.unsqueeze(-1)
-    ok = ((kk - c) * s <= rest) & (c < kk)
-    first = ok.to(torch.int8).argmax(-1)  # k = 0: no c qualifies, num = 0 below
-    num = torch.where(k > 0, k - first.to(torch.float64), 0.0)
-    den = rest.gather(-1, first.unsqueeze(-1)).squeeze(-1)
-    return num, den
+    pad = mass.new_zeros(mass.shape[0], 1)  # sentinel: some c always qualifies
+    s, order = torch.cat([mass, pad], -1).sort(-1, descending=True)  # ties: equal values
+    if sizes is None:
+        z = torch.ones_like(s)
+    else:
+        z = torch.cat([sizes.to(torch.float64), pad], -1).gather(-1, order)
+    capped = z.cumsum(-1) - z  # W_c
+    rest = (z * s).flip(-1).cumsum(-1).flip(-1)  # S_c
+    nn = n.unsqueeze(-1)
+    ok = ((nn - capped) * s <= rest) & (capped < nn)
+    first = ok.to(torch.int8).argmax(-1, keepdim=True)  # n = 0: none qualifies, num = 0
+    num = torch.where(n > 0, n - capped.gather(-1, first).squeeze(-1), 0.0)
+    return num, rest.gather(-1, first).squeeze(-1)
 
 
-def _capped(p: torch.Tensor, num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
-    """``min(1, (num / den) p)``, computed as ``num * (p / den)``; ``P = 0`` where ``p = 0``."""
+def capped(mass: torch.Tensor, num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """``min(1, (num / den) M)`` per row (``num``, ``den`` ``[R]``, or ``[1]`` for one scale for
+    every row), computed as ``num * (M / den)``; ``P = 0`` where ``M = 0``."""
     num, den = num.unsqueeze(-1), den.unsqueeze(-1)
-    return torch.where((p > 0) & (num > 0), (num * (p / den)).clamp(max=1.0), 0.0)
+    return torch.where((mass > 0) & (num > 0), (num * (mass / den)).clamp(max=1.0), 0.0)
 
 
 def pps_inclusion_probabilities(
@@ -222,7 +238,7 @@ def pps_inclusion_probabilities(
     a = _always_kept(always_kept, p)
     sampled = (k_rows - a).clamp(min=0).to(torch.float64).reshape(-1)
     rows = p.reshape(-1, t)
-    return _capped(rows, *_pps_scale(rows, sampled)).reshape(p.shape)
+    return capped(rows, *capped_scale(rows, None, sampled)).reshape(p.shape)
 
 
 def row_masses(
@@ -300,11 +316,10 @@ def pps_inclusion_probabilities_global(
     sampled = max(budget - forced, 0.0)
     weighed = [p if m is None else p * m.to(p.device).unsqueeze(-1) for p, m in zip(probs, masses)]
     flat = torch.cat([p.reshape(1, -1).to(probs[0].device) for p in weighed], -1)
-    num, den = _pps_scale(flat, torch.tensor([sampled], dtype=torch.float64, device=flat.device))
-    out = []
-    for p in weighed:  # the one (num, den) broadcast over every row of every tensor
-        ones = [1] * (p.ndim - 1)
-        out.append(_capped(p, num.to(p.device).reshape(ones), den.to(p.device).reshape(ones)))
+    n = torch.tensor([sampled], dtype=torch.float64, device=flat.device)
+    num, den = capped_scale(flat, None, n)
+    # the one (num, den) broadcast over every row of every tensor
+    out = [capped(p, num.to(p.device), den.to(p.device)) for p in weighed]
     return out[0] if isinstance(pis, torch.Tensor) else out
 
 
@@ -318,7 +333,7 @@ def systematic_sample(inclusion: torch.Tensor, generator: torch.Generator) -> to
     the natural (index) order; the marginal inclusion probabilities are ``P_i`` whatever the
     order, but the joint ones depend on it (e.g. neighbours with ``P_i + P_j <= 1`` are never kept
     together). A row keeps ``floor(sum P)`` or ``ceil(sum P)`` entries, with mean ``sum P``;
-    exactly ``round(sum P)`` when the sum is an integer (sums within ``1e-9`` relative of an
+    exactly ``round(sum P)`` when the sum is an integer (sums within ``SNAP`` relative of an
     integer are snapped to it, absorbing float rounding).
 
     Args:
@@ -338,14 +353,62 @@ def systematic_sample(inclusion: torch.Tensor, generator: torch.Generator) -> to
             f"inclusion probabilities must lie in [0, 1], got range "
             f"[{P.min().item():.6g}, {P.max().item():.6g}]"
         )
+    u = torch.rand((*P.shape[:-1], 1), generator=generator, dtype=torch.float64, device=P.device)
+    return _systematic(P, u)
+
+
+def _systematic(P: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The systematic draw of float64 ``P`` ``[..., K]`` in its own (visiting) order at offsets
+    ``u`` ``[..., 1]`` in ``[0, 1)``: bool ``[..., K]`` (``systematic_sample``)."""
     take_all = P == 1.0
     cum = torch.where(take_all, 0.0, P).cumsum(-1)
     total = cum[..., -1:]
     whole = total.round()
-    snap = (total - whole).abs() <= 1e-9 * whole.clamp(min=1.0)
+    snap = (total - whole).abs() <= SNAP * whole.clamp(min=1.0)
     cum = torch.where(snap, torch.minimum(cum, whole), cum)
     cum[..., -1:] = torch.where(snap, whole, total)
-    u = torch.rand((*P.shape[:-1], 1), generator=generator, dtype=torch.float64, device=P.device)
     points = torch.ceil(cum - u)  # points u + j (j >= 0) below C_i
     before = torch.cat([torch.zeros_like(points[..., :1]), points[..., :-1]], -1)
     return take_all | (points > before)
+
+
+def systematic_sample_ordered(
+    inclusion: torch.Tensor, order: torch.Tensor, offset: torch.Tensor
+) -> torch.Tensor:
+    """Systematic sampling visiting units in ``order``, for a given offset (S9, S10.4).
+
+    Per row, units are laid end to end in the order ``order[r, 0], order[r, 1], ...`` as
+    intervals of lengths ``P_k``; unit ``k`` is kept iff its interval ``[C_(k-1), C_k)``
+    contains a point of ``offset + {0, 1, 2, ...}``. Units with ``P = 1`` are always kept and
+    left out of the sums (an interval of length 1 holds exactly one point), as are zeros
+    (never kept). For an offset uniform on ``[0, 1)``, unit ``k`` is kept with probability
+    exactly ``P_k`` whatever the order; the order decides which units are kept together. A row
+    keeps ``floor(sum P)`` or ``ceil(sum P)`` units (``round`` when the sum is within ``SNAP``
+    of an integer). With ``order`` the identity this is ``systematic_sample`` at that offset.
+
+    Args:
+        inclusion: float ``[R, K]`` in ``[0, 1]``.
+        order: int64 ``[R, K]``, a permutation of ``0..K-1`` per row
+            (``probkv.designs.visit_order``).
+        offset: float ``[R]`` in ``[0, 1)``.
+
+    Returns:
+        bool ``[R, K]``, indexed like ``inclusion``.
+    """
+    if not isinstance(inclusion, torch.Tensor) or inclusion.ndim != 2 or inclusion.shape[-1] == 0:
+        raise ValueError("inclusion must be a tensor [rows, t] with t >= 1")
+    P = inclusion.to(torch.float64)
+    if not torch.isfinite(P).all() or (P < 0).any() or (P > 1).any():
+        raise ValueError("inclusion probabilities must lie in [0, 1]")
+    if not isinstance(order, torch.Tensor) or order.shape != P.shape:
+        raise ValueError(f"order must be an int64 tensor of shape {tuple(P.shape)}")
+    if order.dtype != torch.int64 or (order < 0).any() or (order >= P.shape[-1]).any():
+        raise ValueError("order must hold a permutation of 0..K-1 in every row")
+    seen = torch.zeros_like(order).scatter_add_(-1, order, torch.ones_like(order))
+    if not (seen == 1).all():
+        raise ValueError("order must hold a permutation of 0..K-1 in every row")
+    u = torch.as_tensor(offset, dtype=torch.float64, device=P.device)
+    if u.shape != P.shape[:1] or not ((u >= 0) & (u < 1)).all():
+        raise ValueError(f"offset must be a tensor [{P.shape[0]}] in [0, 1)")
+    hit = _systematic(P.gather(-1, order), u.unsqueeze(-1))
+    return torch.zeros_like(hit).scatter(-1, order, hit)

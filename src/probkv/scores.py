@@ -23,7 +23,6 @@ from typing import Literal
 import torch
 
 from probkv._checks import check_choice, check_odd_int, check_positive_int
-from probkv.designs import UNITS, check_gap
 from probkv.reconstruction import (
     DEFAULT_CHUNK_TOKENS,
     h2o_reconstruction,
@@ -119,9 +118,6 @@ SCORE_INPUTS: tuple[str, ...] = (
 #: (extra query rows run after prefill, KVzip-style; all layers must be observed first).
 SCORE_SOURCES: tuple[str, ...] = ("prefill", "reconstruction")
 
-# S10.3: entries per sampling unit of prob:<score>'s pps unless its row says otherwise
-DEFAULT_PROB_BLOCK = 8
-
 
 @dataclass(frozen=True)
 class Param:
@@ -148,30 +144,6 @@ class ScoreSpec:
     ``last_rows``: how many of the last query rows the function reads (an int, or the name of
     the parameter that sets it); every other row reaches it only through ``column_sums``. A
     prefill seen in chunks keeps just these rows (``probkv.observation.PrefillStatistics``).
-    ``budget_scope``: the scope of ``prob:<score>``'s budget by default, ``"head"`` (each KV
-    head keeps 1 - r) or ``"global"`` (heads of all layers compete on the score's scale, S9;
-    KVzip's own design, so the default of the reconstruction scores); ``"global"`` needs
-    ``attention_scale``.
-    ``prob_core``: the deterministic core of ``prob:<score>``'s pps by default (S10.2), from
-    probkv's measurements (docs/evaluation.md, "A deterministic core for every score"): 0.5
-    for the attention-statistics scores (``h2o``, ``h2o-h``, ``min``, ``min-h``) and the
-    reconstruction scores, whose top entries are the ones later questions need; 0.9 for
-    ``tova``, ``streaming_llm`` and ``uniform`` (whose top-k is the recent window by its tie
-    rule), which rank by one query or by position (any thinning of their recent run loses
-    answers); 0 (pure pps) for ``snapkv`` and ``knorm``.
-    ``prob_block``, ``prob_units``: the sampling units of ``prob:<score>``'s pps by default
-    (S10.3): blocks of ``DEFAULT_PROB_BLOCK`` (8) entries, but for ``kvzip``, whose sample is
-    drawn globally over entries ranked by reconstruction, spans of at most 32 entries (runs
-    of above-average proposal, so a number's digits are kept or dropped together;
-    docs/evaluation.md, "Spans for `prob:kvzip`").
-    ``prob_gap``: the longest run of below-average entries bridged inside a span (spans only;
-    default 0).
-    ``prob_uniform_mix``, ``prob_tau``: the proposal's weight against the uniform distribution
-    (S2's defensive mixture) and the weight temperature (S4) of ``prob:<score>``'s pps by
-    default: 1 and 1 but for ``tova`` (mixture 0.5: its one-query proposal gives most entries
-    a tiny P, hence huge weights) and ``streaming_llm`` (temperature 2: its recency ramp is
-    no estimate of attention, so its weights are tempered), from docs/evaluation.md
-    ("Defensive proposals for the position-driven scores").
     """
 
     function: Callable[..., Scores]
@@ -181,13 +153,6 @@ class ScoreSpec:
     attention_scale: bool = False
     source: Literal["prefill", "reconstruction"] = "prefill"
     last_rows: int | str = 1
-    budget_scope: Literal["head", "global"] = "head"
-    prob_core: float = 0.0
-    prob_block: int = DEFAULT_PROB_BLOCK
-    prob_uniform_mix: float = 1.0
-    prob_tau: float = 1.0
-    prob_units: Literal["blocks", "spans"] = "blocks"
-    prob_gap: int = 0
 
     def __post_init__(self) -> None:
         # A row that cannot be called as declared fails at import, not at the first prefill.
@@ -198,20 +163,6 @@ class ScoreSpec:
         if (self.column_sums is None) == ("column_sums" in self.inputs):
             raise ValueError(f"{self.function.__name__}: column_sums and inputs disagree")
         check_choice(self.source, SCORE_SOURCES, "source")
-        check_choice(self.budget_scope, ("head", "global"), "budget_scope")
-        if self.budget_scope == "global" and not self.attention_scale:
-            raise ValueError(
-                f"{self.function.__name__}: budget_scope 'global' needs attention_scale"
-            )
-        if not 0.0 <= self.prob_core <= 1.0:
-            raise ValueError(f"{self.function.__name__}: prob_core must be in [0, 1]")
-        check_positive_int(self.prob_block, "prob_block")
-        if not 0.0 < self.prob_uniform_mix <= 1.0:
-            raise ValueError(f"{self.function.__name__}: prob_uniform_mix must be in (0, 1]")
-        if not self.prob_tau > 0.0:
-            raise ValueError(f"{self.function.__name__}: prob_tau must be > 0")
-        check_choice(self.prob_units, UNITS, "prob_units")
-        check_gap(self.prob_gap, self.prob_units, "prob_gap")
         if isinstance(self.last_rows, str):
             check_choice(self.last_rows, self.params, "last_rows")
         else:
@@ -243,7 +194,6 @@ SCORE_TABLE: dict[str, ScoreSpec] = {
         {"alpha": _ALPHA},
         column_sums="uniform",
         attention_scale=True,
-        prob_core=0.5,
     ),
     "h2o-h": ScoreSpec(
         h2o_harmonic,
@@ -251,14 +201,12 @@ SCORE_TABLE: dict[str, ScoreSpec] = {
         {"alpha": _ALPHA},
         column_sums="harmonic",
         attention_scale=True,
-        prob_core=0.5,
     ),
     "min": ScoreSpec(
         min_variance,
         ("query", "key", "value", "scale"),
         {"alpha": _ALPHA},
         attention_scale=True,
-        prob_core=0.5,
     ),
     "min-h": ScoreSpec(
         min_variance_harmonic,
@@ -266,7 +214,6 @@ SCORE_TABLE: dict[str, ScoreSpec] = {
         {"alpha": _ALPHA},
         column_sums="harmonic",
         attention_scale=True,
-        prob_core=0.5,
     ),
     "snapkv": ScoreSpec(
         snapkv,
@@ -281,18 +228,14 @@ SCORE_TABLE: dict[str, ScoreSpec] = {
         attention_scale=True,
         last_rows="window",
     ),
-    "tova": ScoreSpec(
-        tova, ("query", "key", "scale"), attention_scale=True, prob_core=0.9, prob_uniform_mix=0.5
-    ),
+    "tova": ScoreSpec(tova, ("query", "key", "scale"), attention_scale=True),
     "knorm": ScoreSpec(knorm, ("key",)),
     "streaming_llm": ScoreSpec(
         streaming_llm,
         ("t", "num_kv_heads", "device"),
         {"sinks": _SINKS},
-        prob_core=0.9,
-        prob_tau=2.0,
     ),
-    "uniform": ScoreSpec(uniform, ("t", "num_kv_heads", "device"), prob_core=0.9),
+    "uniform": ScoreSpec(uniform, ("t", "num_kv_heads", "device")),
     # S10.1: read from the reconstruction pass (KVzip); 4 sinks as kvpress, KVzip's chunks
     "kvzip": ScoreSpec(
         kvzip,
@@ -300,10 +243,6 @@ SCORE_TABLE: dict[str, ScoreSpec] = {
         {"sinks": _SINKS, "chunk_tokens": _CHUNK_TOKENS},
         attention_scale=True,
         source="reconstruction",
-        budget_scope="global",
-        prob_core=0.5,
-        prob_block=32,
-        prob_units="spans",
     ),
     "h2o-rec": ScoreSpec(
         h2o_reconstruction,
@@ -311,8 +250,6 @@ SCORE_TABLE: dict[str, ScoreSpec] = {
         {"sinks": _SINKS, "chunk_tokens": _CHUNK_TOKENS, "alpha": _ALPHA},
         attention_scale=True,
         source="reconstruction",
-        budget_scope="global",
-        prob_core=0.5,
     ),
     "min-rec": ScoreSpec(
         min_reconstruction,
@@ -320,8 +257,6 @@ SCORE_TABLE: dict[str, ScoreSpec] = {
         {"sinks": _SINKS, "chunk_tokens": _CHUNK_TOKENS, "alpha": _ALPHA},
         attention_scale=True,
         source="reconstruction",
-        budget_scope="global",
-        prob_core=0.5,
     ),
 }
 
@@ -362,26 +297,6 @@ def needs_reconstruction(name: str) -> bool:
 def on_attention_scale(name: str) -> bool:
     """Whether score ``name``'s log-scores are logs of attention probabilities (S2, S6)."""
     return score_spec(name).attention_scale
-
-
-def budget_scope(name: str) -> Literal["head", "global"]:
-    """The default budget scope of ``prob:<name>`` (``ScoreSpec.budget_scope``)."""
-    return score_spec(name).budget_scope
-
-
-def prob_core(name: str) -> float:
-    """The default core of ``prob:<name>`` with pps (``ScoreSpec.prob_core``, S10.2)."""
-    return score_spec(name).prob_core
-
-
-def prob_block(name: str) -> int:
-    """The default block size of ``prob:<name>`` with pps (``ScoreSpec.prob_block``, S10.3)."""
-    return score_spec(name).prob_block
-
-
-def prob_units(name: str) -> str:
-    """The default sampling units of ``prob:<name>`` with pps (``ScoreSpec.prob_units``)."""
-    return score_spec(name).prob_units
 
 
 def default_params(name: str) -> dict[str, object]:

@@ -117,7 +117,7 @@ def test_decode_output_matches_algorithm_1_literally(llama):
     (two normalisers, float64) for every query head, with a sampled weighted kept set."""
     captures = ae.capture_attention(llama, CONTEXT + DECODE)
     obs = [ae.observe(c, score="min-h", length=T, rank=r) for r, c in enumerate(captures)]
-    policy = ProbabilisticPolicy(score="min-h", ratio=0.6, weights="counts", seed=1)
+    policy = ProbabilisticPolicy(score="min-h", ratio=0.6, seed=1)  # pps: 1 / P weights
     for c, selection in zip(captures, ae.select(policy, obs)):
         position = T + 2  # third decode token: sees d_1..d_3 unweighted
         fast = ae.decode_output(c, ae.prefix_log_weights(selection, T), position)
@@ -140,7 +140,7 @@ def test_decode_output_matches_algorithm_1_literally(llama):
     "policy",
     [
         TopKPolicy(score="h2o", ratio=0.5),
-        ProbabilisticPolicy(score="min-h", ratio=0.5, weights="counts", seed=2),
+        ProbabilisticPolicy(score="min-h", ratio=0.5, seed=2),  # pps (1 / P weights)
         ProbabilisticPolicy(score="h2o", ratio=0.7, sampler="pps", tau=2.0, seed=5),
     ],
     ids=["topk", "counts", "pps"],

@@ -262,18 +262,22 @@ class _Estimate:
 
     def policy(self, ratio: float, seed: int, scope: str, weights_field: str) -> EvictionPolicy:
         """The policy of this estimator at ``ratio`` and ``seed`` (``weights_field``: the
-        ``ProbabilisticPolicy.weights`` value; pps ignores it)."""
+        ``ProbabilisticPolicy.weights`` value, given to the with-replacement sampler only:
+        pps has no weights option)."""
         if self.estimator in ("topk", "topk_proposal"):
             return TopKPolicy(score=self.proposal, ratio=ratio)
+        # pps has no weights option (always 1 / P); without correction there is no tau
+        options = {"weights": weights_field} if self.sampler == "with_replacement" else {}
+        if self.tau is not None:
+            options["tau"] = self.tau
         return ProbabilisticPolicy(
             score=self.proposal,
             ratio=ratio,
             scope=scope,
             sampler=self.sampler,
-            weights=weights_field,
-            tau=1.0 if self.tau is None else self.tau,
             correct=self.tau is not None,
             seed=seed,
+            **options,
         )
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -60,6 +61,17 @@ class EvictionPolicy(ABC):
         self, observations: Sequence[LayerObservation], *, num_layers: int
     ) -> list[RaggedSelection]:
         """One selection per observation. ``num_layers`` is the number of evicting layers."""
+
+    @classmethod
+    def option_names(cls) -> tuple[str, ...]:
+        """The options a method name may set on this class (``probkv.policies.registry``):
+        its fields but the score, the ratio and the score's parameters."""
+        fixed = ("score", "ratio", "score_params")
+        return tuple(f.name for f in dataclasses.fields(cls) if f.name not in fixed)
+
+    def option_values(self) -> dict[str, object]:
+        """The options of this policy, as its method name spells them."""
+        return {name: getattr(self, name) for name in self.option_names()}
 
     @property
     def calibrates(self) -> bool:
@@ -118,7 +130,7 @@ def keep_everything(obs: LayerObservation) -> RaggedSelection:
 def validate_common(policy: EvictionPolicy) -> None:
     """Checks every policy runs at construction, so bad input fails before any work (S1, S2),
     and completes ``score_params`` with the score table's defaults (frozen dataclass: set once)."""
-    object.__setattr__(policy, "ratio", check_ratio(policy.ratio))
+    object.__setattr__(policy, "ratio", check_ratio(real_number(policy.ratio)))
     check_choice(policy.score, scores.SCORE_TABLE, "score")
     if not isinstance(policy.score_params, dict):
         raise ValueError(
@@ -127,6 +139,14 @@ def validate_common(policy: EvictionPolicy) -> None:
     params = {**scores.default_params(policy.score), **policy.score_params}
     scores.validate_params(policy.score, params)
     object.__setattr__(policy, "score_params", params)
+
+
+def real_number(value):
+    """Any real number type (numpy's float32 as Python's float) as a float; other values, bools
+    included, pass through for the check that follows to refuse by name."""
+    if isinstance(value, numbers.Real) and not isinstance(value, (bool, int, float)):
+        return float(value)  # numpy's bool is no numbers.Real: refused below
+    return value
 
 
 def check_fraction(value: float, name: str, *, what: str) -> float:

@@ -23,14 +23,15 @@ that method's defaults, sorted by key, numbers in their shortest form (``tau=2``
 
 from __future__ import annotations
 
-import dataclasses
+import decimal
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from probkv import scores
 from probkv._checks import check_ratio
-from probkv.policies.base import EvictionPolicy, LayerObservation, keep_everything
+from probkv.policies.base import EvictionPolicy, LayerObservation, keep_everything, real_number
 from probkv.policies.probabilistic import ProbabilisticPolicy
 from probkv.policies.topk import TopKPolicy
 from probkv.selection import RaggedSelection
@@ -105,8 +106,7 @@ def method_options(name: str) -> list[str]:
 
 
 def _fields(cls: type[EvictionPolicy], fixed: dict) -> set[str]:
-    names = {f.name for f in dataclasses.fields(cls)}
-    return names - {"score_params", "ratio", "score"} - set(fixed)
+    return set(cls.option_names()) - set(fixed)
 
 
 def _param_names(score: str) -> tuple[str, ...]:
@@ -121,10 +121,10 @@ def _parse_value(text: str):
         return low == "true"
     if low in ("inf", "+inf", "infinity"):
         return math.inf
-    try:
-        return int(text)
-    except ValueError:
-        pass
+    if re.fullmatch(r"[+-]?\d+", text):
+        # an integer however long (Python refuses str -> int past 4300 digits): the option's
+        # own check then says which integers it takes
+        return int(decimal.Decimal(text))
     try:
         return float(text)
     except ValueError:
@@ -157,7 +157,7 @@ def parse_method(spec: str, ratio: float = 0.5) -> EvictionPolicy:
     """
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"method must be a non-empty string, got {spec!r}")
-    ratio = check_ratio(ratio)
+    ratio = check_ratio(real_number(ratio))
     name, *options = spec.strip().split("/")
     cls, fixed = _base(name)
     fields = _fields(cls, fixed)
@@ -183,7 +183,18 @@ def parse_method(spec: str, ratio: float = 0.5) -> EvictionPolicy:
             raise ValueError(f"unknown option {key!r} for method {name!r}; valid options: {listed}")
     if cls is FullCache:
         return FullCache()
-    return cls(ratio=ratio, score_params=score_params, **fixed, **kwargs)
+    try:
+        return cls(ratio=ratio, score_params=score_params, **fixed, **kwargs)
+    except OverflowError:  # an integer too large for a float, given to a number option
+        huge = [k for k, v in {**kwargs, **score_params}.items() if _huge(v)]
+        raise ValueError(
+            f"option {huge[0] if huge else '?'!r} in method {spec!r} is an integer too large "
+            "for a number (beyond float64's range)"
+        ) from None
+
+
+def _huge(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 2**1023
 
 
 def method_name(policy: EvictionPolicy) -> str:
@@ -203,18 +214,21 @@ def method_name(policy: EvictionPolicy) -> str:
         if family is None:
             raise ValueError(f"{type(policy).__name__} is not a registered method class")
         name, fixed = f"{family}:{policy.score}", {"score": policy.score}
-    plain = type(policy)(ratio=policy.ratio, **fixed)
-    # fields whose defaults follow other fields (ProbabilisticPolicy: block, order follow the
-    # sampler) are compared with the defaults of a policy that has those fields' values
-    depends = {k: getattr(policy, k) for k in getattr(policy, "DEFAULTS_DEPEND_ON", ())}
+    plain = type(policy)(ratio=policy.ratio, **fixed).option_values()
+    # options whose defaults follow other options (ProbabilisticPolicy: core, block, tau, ...
+    # follow the sampler; TopKPolicy: alpha and beta follow the budgets) are compared with the
+    # defaults of a policy that has those options' values
+    values = policy.option_values()
+    depends = {k: values[k] for k in getattr(policy, "DEFAULTS_DEPEND_ON", ())}
     defaults = type(policy)(ratio=policy.ratio, **{**depends, **fixed})
+    default_values = defaults.option_values()
     options = {}
-    for f in dataclasses.fields(policy):
-        if f.name in ("ratio", "score_params") or f.name in fixed:
+    for key, value in values.items():
+        if key in fixed:
             continue
-        value = getattr(policy, f.name)
-        if value != getattr(plain if f.name in depends else defaults, f.name):
-            options[f.name] = value
+        reference = plain if key in depends else default_values
+        if key not in reference or value != reference[key]:
+            options[key] = value
     tensors = scores.tensor_param_names(policy.score)
     for key, value in policy.score_params.items():
         if key in tensors:

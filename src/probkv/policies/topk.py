@@ -29,6 +29,8 @@ from probkv.selection import RaggedSelection
 
 LAYER_BUDGETS = ("uniform", "pyramid", "global")
 HEAD_BUDGETS = ("uniform", "ada")
+ADA_ALPHA = 0.2  # Ada-KV's safeguard, as its reference code
+PYRAMID_BETA = 20.0  # PyramidKV's ratio of the first layer's budget to the last's
 
 
 @dataclass(frozen=True)
@@ -36,15 +38,19 @@ class TopKPolicy(EvictionPolicy):
     """Top-k of ``score`` per KV head.
 
     - ``layer_budgets="pyramid"``: PyramidKV's linearly decreasing layer budgets with ratio
-      ``beta`` (S5; the observation window sits outside the pyramid, as in its reference code).
+      ``beta`` (S5; the observation window sits outside the pyramid, as in its reference code;
+      default ``PYRAMID_BETA``).
     - ``layer_budgets="global"``: the layers pool their budgets; with ``head_budgets="ada"``
       every KV head of every layer competes for the pooled budget (Ada-KV's allocation over
       all heads of all layers, safeguard ``alpha``; ``alpha = 0`` is KVzip's one global top-k
       of its scores, S10.1). With ``head_budgets="uniform"`` every head keeps its share, as
       with uniform layers. Not layerwise: every layer is observed first.
     - ``head_budgets="ada"``: Ada-KV's head-wise allocation of each layer's budget with the
-      safeguard ``alpha`` (S6, the floor fraction of the uniform share); heads then hold
-      different numbers of entries, stored ragged.
+      safeguard ``alpha`` (S6, the floor fraction of the uniform share; default
+      ``ADA_ALPHA``); heads then hold different numbers of entries, stored ragged.
+    - ``alpha`` only acts with Ada-KV head budgets and ``beta`` only with pyramid layer
+      budgets: given elsewhere they could change nothing, and are refused by name (``None``
+      there).
     - ``recent``: fraction of each head's budget reserved for the most recent entries (H2O's
       recent window; 0.5 is the H2O paper's equal split of heavy hitters and recent tokens).
       0 (default) keeps the H2O of S5, pure accumulated attention (S5).
@@ -54,8 +60,8 @@ class TopKPolicy(EvictionPolicy):
 
     layer_budgets: str = "uniform"
     head_budgets: str = "uniform"
-    alpha: float = 0.2
-    beta: float = 20.0
+    alpha: float | None = None  # None: ADA_ALPHA with head_budgets="ada"
+    beta: float | None = None  # None: PYRAMID_BETA with layer_budgets="pyramid"
     recent: float = 0.0
     pool: int = 1
 
@@ -63,17 +69,41 @@ class TopKPolicy(EvictionPolicy):
         validate_common(self)
         check_choice(self.layer_budgets, LAYER_BUDGETS, "layer_budgets")
         check_choice(self.head_budgets, HEAD_BUDGETS, "head_budgets")
-        alpha = check_fraction(self.alpha, "alpha", what="Ada-KV safeguard fraction")
-        object.__setattr__(self, "alpha", alpha)
-        beta = self.beta
+        self._check_alpha_beta()
+        recent = check_fraction(self.recent, "recent", what="share of the budget kept recent")
+        object.__setattr__(self, "recent", recent)
+        proposals.check_pool_kernel(self.pool)
+
+    # alpha's and beta's defaults follow the budgets: method names compare them with a policy
+    # of the same budgets
+    DEFAULTS_DEPEND_ON = ("layer_budgets", "head_budgets")
+
+    def _check_alpha_beta(self) -> None:
+        """``alpha`` with Ada-KV head budgets only, ``beta`` with pyramid layers only."""
+        if self.head_budgets != "ada":
+            if self.alpha is not None:
+                raise ValueError(
+                    f"alpha={self.alpha!r}: alpha only acts with Ada-KV head budgets "
+                    f"(head_budgets='ada'), got head_budgets={self.head_budgets!r}; omit alpha"
+                )
+        else:
+            alpha = ADA_ALPHA if self.alpha is None else self.alpha
+            alpha = check_fraction(alpha, "alpha", what="Ada-KV safeguard fraction")
+            object.__setattr__(self, "alpha", alpha)
+        if self.layer_budgets != "pyramid":
+            if self.beta is not None:
+                raise ValueError(
+                    f"beta={self.beta!r}: beta only acts with pyramid layer budgets "
+                    f"(layer_budgets='pyramid'), got layer_budgets={self.layer_budgets!r}; "
+                    "omit beta"
+                )
+            return
+        beta = PYRAMID_BETA if self.beta is None else self.beta
         if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not math.isfinite(beta):
             raise ValueError(f"beta (PyramidKV) must be a finite number >= 1, got {beta!r}")
         if beta < 1:
             raise ValueError(f"beta (PyramidKV) must be >= 1 (1 = uniform layers), got {beta!r}")
         object.__setattr__(self, "beta", float(beta))
-        recent = check_fraction(self.recent, "recent", what="share of the budget kept recent")
-        object.__setattr__(self, "recent", recent)
-        proposals.check_pool_kernel(self.pool)
 
     @property
     def layerwise(self) -> bool:
