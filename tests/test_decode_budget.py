@@ -211,3 +211,37 @@ def test_generate_holds_the_budget(model):
         out = model.generate(ids, cache=cache, max_new_tokens=12, do_sample=False)
     assert out.shape[1] == 42
     assert all(layer.decode_state.peak_entries <= 9 for layer in _layers(cache))
+
+
+def test_reports_describe_the_cache_after_a_long_generation():
+    """After a budgeted generate of 1,000 tokens, cache.reports() and effective_ratio()
+    describe the cache held at the end (the latest decode stage's prefix; the tail holds the
+    fewer than K tokens since), not the prompt's eviction: kept counts, tokens seen, bytes."""
+    from probkv.hf import compress, generate
+
+    model = prepare_model(tiny_model("llama", seed=0, max_position_embeddings=1100))
+    budget, every = 12, 4
+    cache = compress(model, _ids(30), parse_method("prob:h2o-h"), max_entries=budget, every=every)
+    out = generate(model, cache, _ids(3, seed=5), max_new_tokens=1000, min_new_tokens=1000)
+    assert out.numel() == 1000
+    reports = cache.reports()
+    assert len(reports) == len(cache.evicting_layers)
+    tails = 0
+    for layer, report in zip(_layers(cache), reports, strict=True):
+        assert report.layer_idx == layer.layer_idx
+        assert report.stage == layer.decode_state.stages > 200
+        assert report.kept_per_head == layer.prefix.lengths
+        assert all(k <= budget for k in report.kept_per_head)
+        assert report.prefix_length == layer.prefix_length > 1000
+        assert report.prefix_length + layer.tail_length == cache.get_seq_length() == 30 + 3 + 999
+        assert 0 <= layer.tail_length < every
+        assert report.nbytes == layer.prefix.nbytes()
+        assert report.target_ratio == pytest.approx(1 - budget / report.prefix_length)
+        lw = [layer.prefix.head(h)[2] for h in range(layer.num_heads)]
+        ess = [float(w.double().exp().sum() ** 2 / (2 * w.double()).exp().sum()) for w in lw]
+        assert report.effective_sample_size == pytest.approx(ess, rel=1e-9)
+        tails += layer.nbytes() - layer.prefix.nbytes()
+    assert cache.nbytes() == sum(r.nbytes for r in reports) + tails
+    kept = [k / r.prefix_length for r in reports for k in r.kept_per_head]
+    assert cache.effective_ratio() == pytest.approx(1 - sum(kept) / len(kept))
+    assert cache.effective_ratio() > 0.98

@@ -59,9 +59,9 @@ def record_selections(monkeypatch) -> dict[int, object]:
     seen: dict[int, object] = {}
     original = eviction_module.apply_selection
 
-    def recording(layer, selection, policy):
+    def recording(layer, selection, *args):
         seen[layer.layer_idx] = selection
-        original(layer, selection, policy)
+        original(layer, selection, *args)
 
     monkeypatch.setattr(eviction_module, "apply_selection", recording)
     return seen

@@ -31,6 +31,7 @@ from transformers.masking_utils import sdpa_mask
 
 from probkv.hf.cache import EvictingLayer, LayerState
 from probkv.hf.decode_budget import after_decode_attention, decode_rows_needed
+from probkv.hf.eviction import evict_decode_stage
 from probkv.hf.prefill import observe_prompt_chunk
 from probkv.observation import causal_offset_mask, dense_causal_attention, last_query_attention
 from probkv.scores import needs_reconstruction
@@ -84,7 +85,8 @@ def layer_attention(
             out, probs = evicted_attention_with_probabilities(layer, query, scale)
         else:
             out = evicted_attention(layer, query, scale)
-        after_decode_attention(layer, query, scale, probabilities=probs)
+        if after_decode_attention(layer, query, scale, probabilities=probs):
+            evict_decode_stage(layer, scale)  # the prompt's eviction path (probkv.hf.eviction)
         return out
     if layer.state is LayerState.RECONSTRUCTING:  # S10.1, probkv.hf.reconstruction
         return layer.scoring.attend(layer, query, scale)

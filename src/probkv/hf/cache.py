@@ -303,6 +303,10 @@ class EvictingLayer(CacheLayerMixin):
         if self.policy.layerwise:
             evict_layers(self.policy, [self], num_layers=self.num_evicting)
 
+    def record_report(self, report: LayerReport) -> None:
+        """What the latest eviction left (``probkv.hf.eviction.apply_selection``)."""
+        self.report = report
+
     def awaits_reconstruction(self, last_query_attention: torch.Tensor) -> None:
         """The prefill of a reconstruction score (S10.1): keep ``p_t`` for the report and wait
         for the pass (``PREFILL`` -> ``AWAITING_RECONSTRUCTION``)."""

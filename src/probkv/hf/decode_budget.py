@@ -33,7 +33,7 @@ import torch
 from probkv import scores
 from probkv._checks import check_positive_int
 from probkv.decode_statistics import DecodeStatistics, decode_probabilities
-from probkv.policies.base import EvictionPolicy
+from probkv.policies.base import EvictionPolicy, LayerObservation
 from probkv.selection import RaggedSelection
 
 # Seeds of decode stages: the policy's seed, then this many per stage and one per head.
@@ -136,9 +136,11 @@ def stage_due(layer) -> bool:
 
 def after_decode_attention(
     layer, query: torch.Tensor, scale: float, probabilities: torch.Tensor | None = None
-) -> None:
+) -> bool:
     """A decode forward attended over ``layer`` (EVICTED; ``query [Hq, q, d]``): add its rows
-    to the statistics, then evict down to the budget if a head holds ``B + K`` entries.
+    to the statistics. Returns whether a head now holds ``B + K`` entries: then the caller
+    runs one more stage through ``probkv.hf.eviction.evict_decode_stage``, the eviction path
+    the prompt's stage takes too.
 
     ``probabilities [Hkv, g, q, n]``: the ones the attention computed
     (``probkv.hf.attention.evicted_attention_with_probabilities``), given whenever
@@ -151,8 +153,7 @@ def after_decode_attention(
         probabilities = decode_probabilities(query, keys, log_weights, lengths, scale)
     state.statistics.observe(probabilities, query)
     record_peak(layer)
-    if due:
-        evict_to_budget(layer, scale)
+    return due
 
 
 def padded_entries(layer):
@@ -221,16 +222,27 @@ def _stage_groups(layer):
     return groups
 
 
-def evict_to_budget(layer, scale: float) -> None:
-    """One decode stage (S10.5): the policy evicts every head of ``layer`` to ``B`` entries,
-    on the statistics; heads of equal length are observed together (one selection), ragged
-    heads (a with-replacement stage keeps fewer than ``B``) one at a time."""
+@dataclass(frozen=True)
+class Stage:
+    """What one decode stage asks of the eviction path (``probkv.hf.eviction``): one
+    ``(policy, observation)`` per group of heads of equal length (each selects its heads),
+    the layer's latest attention ``[Hkv, n]`` over the entries it holds (padded) for the
+    report's retained mass, and the stage's target ratio ``1 - B / (tokens seen)``."""
+
+    groups: list[tuple[EvictionPolicy, LayerObservation]]
+    attention: torch.Tensor
+    target_ratio: float
+
+
+def next_stage(layer, scale: float) -> Stage:
+    """One decode stage (S10.5): the observations on which the policy evicts every head of
+    ``layer`` to ``B`` entries; heads of equal length are observed together (one selection),
+    ragged heads (a with-replacement stage keeps fewer than ``B``) one at a time."""
     state: LayerDecodeState = layer.decode_state
     budget: DecodeBudget = layer.decode_budget
     state.stages += 1
-    groups = _stage_groups(layer)
-    parts = []
-    for heads, keys, values in groups:
+    groups = []
+    for heads, keys, values in _stage_groups(layer):
         n = keys.shape[1]
         obs = state.statistics.observation(
             heads, keys, values, scale=scale, layer_idx=layer.layer_idx, rank=layer.rank
@@ -238,10 +250,15 @@ def evict_to_budget(layer, scale: float) -> None:
         policy = _stage_policy(
             layer.policy, budget, n, state.stages, heads[0] if len(heads) == 1 else 0
         )
-        parts.append(policy.select([obs], num_layers=layer.num_evicting)[0])
-    selection = parts[0] if len(parts) == 1 else _concat(parts)
-    layer.evict(selection)
-    state.statistics.keep([selection.head(h)[0] for h in range(selection.num_heads)])
+        groups.append((policy, obs))
+    seen = layer.get_seq_length()
+    attention = state.statistics.last_attention[:, : state.statistics.width]
+    return Stage(groups, attention, max(0.0, 1.0 - budget.max_entries / seen))
+
+
+def stage_done(layer, selection: RaggedSelection) -> None:
+    """After a decode stage evicted ``layer`` to ``selection``: the statistics follow."""
+    layer.decode_state.statistics.keep([selection.head(h)[0] for h in range(selection.num_heads)])
 
 
 def _stage_policy(policy, budget: DecodeBudget, n: int, stage: int, head: int):
@@ -250,21 +267,3 @@ def _stage_policy(policy, budget: DecodeBudget, n: int, stage: int, head: int):
     if hasattr(policy, "seed"):
         changes["seed"] = policy.seed + _STAGE_SEED_STRIDE * stage + _HEAD_SEED_STRIDE * head
     return dataclasses.replace(policy, **changes)
-
-
-def _concat(parts: list[RaggedSelection]) -> RaggedSelection:
-    """One selection of several heads' selections (heads in order)."""
-    weighted = any(p.log_weights is not None for p in parts)
-    log_weights = None
-    if weighted:
-        log_weights = torch.cat(
-            [
-                p.log_weights
-                if p.log_weights is not None
-                else torch.zeros(p.indices.numel(), device=p.indices.device)
-                for p in parts
-            ]
-        )
-    return RaggedSelection(
-        torch.cat([p.indices for p in parts]), torch.cat([p.lengths for p in parts]), log_weights
-    )
