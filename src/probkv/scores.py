@@ -148,6 +148,10 @@ class ScoreSpec:
     ``last_rows``: how many of the last query rows the function reads (an int, or the name of
     the parameter that sets it); every other row reaches it only through ``column_sums``. A
     prefill seen in chunks keeps just these rows (``probkv.observation.PrefillStatistics``).
+    ``value_norm``: the function multiplies each entry's attention statistic by its value norm
+    ``||v_i||_2`` (S2's minimum-variance scores ``min``, ``min-h``); a decode budget divides it
+    back out of the prompt's scores to start its column sums
+    (``probkv.decode_statistics.DecodeStatistics.from_prompt``). Needs the ``value`` input.
     ``budget_scope``: the scope of ``prob:<score>``'s budget by default, ``"head"`` (each KV
     head keeps 1 - r) or ``"global"`` (heads of all layers compete on the score's scale, S9;
     KVzip's own design, so the default of the reconstruction scores); ``"global"`` needs
@@ -181,6 +185,7 @@ class ScoreSpec:
     attention_scale: bool = False
     source: Literal["prefill", "reconstruction"] = "prefill"
     last_rows: int | str = 1
+    value_norm: bool = False
     budget_scope: Literal["head", "global"] = "head"
     prob_core: float = 0.0
     prob_block: int = DEFAULT_PROB_BLOCK
@@ -212,6 +217,8 @@ class ScoreSpec:
             raise ValueError(f"{self.function.__name__}: prob_tau must be > 0")
         check_choice(self.prob_units, UNITS, "prob_units")
         check_gap(self.prob_gap, self.prob_units, "prob_gap")
+        if self.value_norm and "value" not in self.inputs:
+            raise ValueError(f"{self.function.__name__}: value_norm needs the value input")
         if isinstance(self.last_rows, str):
             check_choice(self.last_rows, self.params, "last_rows")
         else:
@@ -258,6 +265,7 @@ SCORE_TABLE: dict[str, ScoreSpec] = {
         ("query", "key", "value", "scale"),
         {"alpha": _ALPHA},
         attention_scale=True,
+        value_norm=True,
         prob_core=0.5,
     ),
     "min-h": ScoreSpec(
@@ -266,6 +274,7 @@ SCORE_TABLE: dict[str, ScoreSpec] = {
         {"alpha": _ALPHA},
         column_sums="harmonic",
         attention_scale=True,
+        value_norm=True,
         prob_core=0.5,
     ),
     "snapkv": ScoreSpec(

@@ -107,16 +107,13 @@ def start_decode(layer, observation, selection: RaggedSelection) -> None:
     """Stage 1, called before ``layer`` (holding the whole prompt) applies ``selection``:
     statistics over the entries it keeps."""
     policy = layer.policy
-    norms = None
-    if policy.score == "min-h":  # its proposal holds ||v_i||; its column sums do not
-        norms = layer.tail_values[0].float().norm(dim=-1)
     statistics = DecodeStatistics.from_prompt(
         policy.score,
         policy.score_params,
         prompt_log_scores=observation.log_scores,
         last_query_attention=observation.last_query_attention,
         kept=[selection.head(h)[0] for h in range(selection.num_heads)],
-        value_norms=norms,
+        values=layer.tail_values[0],  # min-h: value norms divided out (its score row)
     )
     layer.decode_state = LayerDecodeState(statistics)
 
