@@ -66,7 +66,7 @@ def snapshot(cache) -> list[dict]:
             state = {
                 "keys": layer.tail_keys.clone(),
                 "values": layer.tail_values.clone(),
-                "capacity": layer._tail_keys.shape,
+                "capacity": layer.tail.capacity,
                 "lengths": (layer.get_seq_length(), layer.physical_length(), layer.tail_length),
             }
         else:

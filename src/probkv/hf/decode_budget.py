@@ -32,8 +32,9 @@ import torch
 
 from probkv import scores
 from probkv._checks import check_positive_int
-from probkv.decode_statistics import DecodeStatistics, decode_probabilities
+from probkv.decode_statistics import DecodeStatistics
 from probkv.policies.base import EvictionPolicy, LayerObservation
+from probkv.policies.registry import FullCache
 from probkv.selection import RaggedSelection
 
 # Seeds of decode stages: the policy's seed, then this many per stage and one per head.
@@ -72,13 +73,18 @@ class DecodeBudget:
         if getattr(policy, "units", "blocks") != "blocks":
             # spans of unequal size keep a random count, with no bound of one block (S10.3)
             refused.append(f"units={policy.units!r} (its kept count has no bound)")
+        if getattr(policy, "sampler", None) == "with_replacement":
+            # S3: m draws keep B distinct entries in expectation only; up to m > B of them
+            refused.append("sampler='with_replacement' (it keeps B entries in expectation only)")
+        if isinstance(policy, FullCache):
+            refused.append("method 'full' (it keeps every entry)")
         if refused:
             raise ValueError(
                 f"a decode budget (max_entries) holds every KV head to {self.max_entries} "
                 f"entries; this policy has {', '.join(refused)}, which cannot be held at decode. "
                 "Use head_budgets='uniform', layer_budgets='uniform', scope='head' and a score "
                 "computed from the model's own rows (h2o, h2o-h, snapkv, tova, ...), with "
-                "units='blocks'"
+                "units='blocks' and sampler='pps'"
             )
 
     def prompt_policy(self, policy: EvictionPolicy, prompt_entries: int) -> EvictionPolicy:
@@ -95,9 +101,11 @@ class DecodeBudget:
 
 @dataclass
 class LayerDecodeState:
-    """One layer's decode-time eviction: its statistics, stage count and peaks."""
+    """One layer's decode-time eviction, owned by this module: its budget, statistics (from
+    the prompt's eviction on), stage count and peaks."""
 
-    statistics: DecodeStatistics
+    budget: DecodeBudget
+    statistics: DecodeStatistics | None = None
     stages: int = 1  # the prompt's eviction is stage 1
     peak_entries: int = 0  # per KV head, at the largest (before a stage evicts)
     peak_bytes: int = 0
@@ -107,7 +115,7 @@ def start_decode(layer, observation, selection: RaggedSelection) -> None:
     """Stage 1, called before ``layer`` (holding the whole prompt) applies ``selection``:
     statistics over the entries it keeps."""
     policy = layer.policy
-    statistics = DecodeStatistics.from_prompt(
+    layer.decode_state.statistics = DecodeStatistics.from_prompt(
         policy.score,
         policy.score_params,
         prompt_log_scores=observation.log_scores,
@@ -115,7 +123,6 @@ def start_decode(layer, observation, selection: RaggedSelection) -> None:
         kept=[selection.head(h)[0] for h in range(selection.num_heads)],
         values=layer.tail_values[0],  # min-h: value norms divided out (its score row)
     )
-    layer.decode_state = LayerDecodeState(statistics)
 
 
 def decode_rows_needed(layer) -> bool:
@@ -132,7 +139,7 @@ def stage_due(layer) -> bool:
 
 
 def after_decode_attention(
-    layer, query: torch.Tensor, scale: float, probabilities: torch.Tensor | None = None
+    layer, query: torch.Tensor, probabilities: torch.Tensor | None = None
 ) -> bool:
     """A decode forward attended over ``layer`` (EVICTED; ``query [Hq, q, d]``): add its rows
     to the statistics. Returns whether a head now holds ``B + K`` entries: then the caller
@@ -140,47 +147,15 @@ def after_decode_attention(
     the prompt's stage takes too.
 
     ``probabilities [Hkv, g, q, n]``: the ones the attention computed
-    (``probkv.hf.attention.evicted_attention_with_probabilities``), given whenever
-    ``decode_rows_needed``; without them, and if needed, they are recomputed from the entries
-    (``padded_entries``, ``decode_probabilities``: the slow reference)."""
+    (``probkv.hf.attention.evicted_attention_with_probabilities``), required whenever
+    ``decode_rows_needed``."""
     state: LayerDecodeState = layer.decode_state
     due = stage_due(layer)
-    if probabilities is None and (state.statistics.weighting is not None or due):
-        keys, log_weights, lengths = padded_entries(layer)
-        probabilities = decode_probabilities(query, keys, log_weights, lengths, scale)
+    if probabilities is None and due:
+        raise ValueError(f"layer {layer.layer_idx}: a stage needs this step's probabilities")
     state.statistics.observe(probabilities, query)
     record_peak(layer)
     return due
-
-
-def padded_entries(layer):
-    """Every head's entries now (prefix, then tail) padded to the longest: keys ``[Hkv, n,
-    d]``, prefix log-weights ``[Hkv, n]`` (zero on the tail; ``None`` without weights) and
-    the heads' lengths. A uniform prefix needs no copy per head."""
-    prefix = layer.prefix
-    h = layer.num_heads
-    tail_k = layer.tail_keys[0]
-    t = tail_k.shape[1]
-    lengths = [n + t for n in prefix.lengths]
-    if prefix.uniform_length:
-        length = prefix.lengths[0]
-        keys = torch.cat([prefix.keys.view(h, length, tail_k.shape[2]), tail_k], dim=1)
-        log_weights = None
-        if prefix.log_weights is not None:
-            log_weights = torch.nn.functional.pad(prefix.log_weights.view(h, length), (0, t))
-        return keys, log_weights, lengths
-    n = max(lengths)
-    keys = tail_k.new_zeros(h, n, tail_k.shape[2])
-    log_weights = None
-    if prefix.log_weights is not None:
-        log_weights = torch.zeros(h, n, device=tail_k.device)
-    for i in range(h):
-        k, _, lw = prefix.head(i)
-        keys[i, : k.shape[0]] = k
-        keys[i, k.shape[0] : lengths[i]] = tail_k[i]
-        if lw is not None:
-            log_weights[i, : lw.shape[0]] = lw
-    return keys, log_weights, lengths
 
 
 def record_peak(layer) -> None:

@@ -155,7 +155,7 @@ def answer(
             return generate(model, compressed, question_ids, max_new_tokens=max_new_tokens, **kw)
         finally:
             for layer, tail_length in zip(compressed.layers, tails):
-                layer.tail_length = tail_length
+                layer.truncate_tail(tail_length)
                 layer.attention_done()  # a failed forward may have left an update pending
     working = copy.deepcopy(compressed)  # sliding-window layers cannot be rewound
     working.token_ids = compressed.token_ids
