@@ -277,7 +277,7 @@ def test_layers_move_through_their_states(tiny):
     assert all(layer.state is LayerState.EVICTED and layer.is_evicted for layer in layers)
     assert all(layer.observation is None and layer.report is not None for layer in layers)
     assert not cache.eviction_pending
-    with pytest.raises(ValueError, match="cannot evict before prefill"):
+    with pytest.raises(ValueError, match=r"layers \[[0-9, ]+\] were already evicted"):
         cache.evict()
     with pytest.raises(RuntimeError, match="observed twice"):
         layers[0].observed(observation)

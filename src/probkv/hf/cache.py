@@ -396,9 +396,10 @@ class ProbKVCache(Cache):
     the next forward or on ``evict()``; with ``prompt_length``, layerwise policies evict each
     layer right after its last prefill attention (the full cache never exists at once). A
     cache holds one prompt and refuses input that does not continue it (``hf.guards``).
-    ``max_entries=B``, ``every=K``: a decode budget, at most ``B + K`` entries per KV head
-    for any length generated (the prompt evicted to ``B``, then every ``K`` new entries;
-    the budget replaces the policy's ``ratio``; ``probkv.hf.decode_budget``, S10.5).
+    ``max_entries=B``, ``every=K`` (default 1; only with ``max_entries``): a decode budget,
+    at most ``B + K`` entries per KV head from the prompt's eviction on, for any length
+    generated one token at a time (the prompt evicted to ``B``, then every ``K`` new
+    entries; the budget replaces the policy's ``ratio``; ``probkv.hf.decode_budget``, S10.5).
     """
 
     def __init__(
@@ -408,11 +409,12 @@ class ProbKVCache(Cache):
         *,
         prompt_length: int | None = None,
         max_entries: int | None = None,
-        every: int = 1,
+        every: int | None = None,
     ) -> None:
+        guards.check_policy_type(policy)
         if prompt_length is not None:
             check_positive_int(prompt_length, "prompt_length")
-        budget = None if max_entries is None else DecodeBudget(max_entries, every)
+        budget = guards.decode_budget(max_entries, every)
         if budget is not None:
             budget.check_policy(policy)
         text_config = config.get_text_config(decoder=True)
@@ -436,6 +438,7 @@ class ProbKVCache(Cache):
             )
         super().__init__(layers=layers)
         self.policy = policy
+        self.observing = policy  # the score (and parameters) its prefill observes
         self.evicting_layers = [
             i for i, layer in enumerate(layers) if isinstance(layer, EvictingLayer)
         ]
@@ -444,7 +447,8 @@ class ProbKVCache(Cache):
         self.decode_budget = budget
         self.layer_types = list(layer_types)  # of the config it was built for (issue 11)
         # ``[1, t]`` the token ids the cache holds, set by ``probkv.hf.compress`` / ``observe``
-        # so that ``generate`` can continue with true positions; ``None`` until then.
+        # and by ``model.generate`` (``probkv.hf.model``), so that generation continues with
+        # true positions and a different prompt is refused; ``None`` while unknown.
         self.token_ids: torch.Tensor | None = None
 
     # ---------------------------------------------------------------- protocol
@@ -466,6 +470,7 @@ class ProbKVCache(Cache):
         input continues what the cache holds, and where the prompt ends (module docstring)."""
         guards.check_layers_used(self.layers)
         guards.check_continues(self.get_seq_length(), attention_kwargs)
+        guards.check_prompt_end(self.prompt_length, self.get_seq_length(), new_tokens)
         if self.prefill_open:
             if new_tokens > 1:  # another chunk of the prompt
                 for i in self.evicting_layers:
@@ -519,23 +524,16 @@ class ProbKVCache(Cache):
         ``layerwise`` policy selects layer by layer, exactly as it would have during prefill
         (same random draws); a global one sees every layer at once (S3 global scope).
         """
+        layers = [self.layers[i] for i in self.evicting_layers]
+        guards.check_can_evict({layer.layer_idx: layer.state.value for layer in layers})
         if policy is not None:
+            guards.check_policy_type(policy)
+            guards.check_observed(self.observing, policy)
             if self.decode_budget is not None:
                 self.decode_budget.check_policy(policy)
             self.policy = policy
-            for i in self.evicting_layers:
-                self.layers[i].use_policy(policy)
-        layers = [self.layers[i] for i in self.evicting_layers]
-        missing = [layer.layer_idx for layer in layers if layer.state is not LayerState.OBSERVED]
-        if missing:
-            detail = (
-                " (they wait for the reconstruction pass, S10.1: use probkv.hf.compress or observe)"
-                if self.awaiting_reconstruction
-                else ""
-            )
-            raise ValueError(
-                f"cannot evict before prefill: layers {missing} have not been observed{detail}"
-            )
+            for layer in layers:
+                layer.use_policy(policy)
         evict_layers(self.policy, layers, num_layers=len(self.evicting_layers))
         self.num_evictions += 1
 
@@ -553,6 +551,19 @@ class ProbKVCache(Cache):
                     "rewind() is not available for models with sliding-window layers; "
                     "use copy.deepcopy(cache) before each question instead"
                 )
+
+    def before_generate(self, ids: torch.Tensor) -> bool:
+        """``model.generate`` is about to run on ``ids [1, n]`` (``probkv.hf.model``): refuse a
+        prompt that does not begin with the tokens this cache holds (``hf.guards``). Returns
+        whether the cache will know its ids afterwards (it knew them, or held nothing)."""
+        held = self.get_seq_length()
+        guards.check_generation_ids(ids, held, self.token_ids)
+        return held == 0 or self.token_ids is not None
+
+    def after_generate(self, sequences: torch.Tensor) -> None:
+        """``model.generate`` returned ``sequences [1, n]``: the cache holds their first ids."""
+        held = self.get_seq_length()
+        self.token_ids = sequences[:, :held] if sequences.shape[1] >= held else None
 
     def copy(self) -> ProbKVCache:
         return copy.deepcopy(self)
