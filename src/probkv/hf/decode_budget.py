@@ -1,7 +1,7 @@
 """Holding a budget during generation: decode-time eviction in sequential stages (S10.5).
 
-``ProbKVCache(config, policy, max_entries=B, every=K)`` keeps at most ``B + K`` entries per KV
-head of every evicting layer for any number of generated tokens:
+``ProbKVCache(config, policy, max_entries=B, every=K)`` holds every KV head of every evicting
+layer to at most ``B + K`` entries for any number of generated tokens:
 
 - stage 1, the prompt: the policy evicts the prompt's ``t`` entries down to ``B`` (its
   ``ratio`` is replaced by ``1 - B / t``; a prompt of at most ``B`` tokens is kept whole);
@@ -17,10 +17,20 @@ the final kept set (S10.5, by the tower property); each stage draws with its own
 (``seed`` of the policy, the stage and the head), so the same seed gives the same kept sets. A
 top-k stage keeps weight 1 and drops the rest (S5's bias, once per stage).
 
-Refused by name: Ada-KV head budgets, PyramidKV / global layer budgets and the global scope
-(their budgets move between heads or layers, while a decode budget holds every head to
-``B``), and scores read from a reconstruction pass (KVzip, S10.1: a second model run over the
-context, which a decode step does not have).
+The bound, exactly: from the prompt's eviction on, no KV head holds more than ``B + K``
+entries at any step that brings one token (a forward of ``q`` tokens at once may hold
+``q - 1`` more during that forward), and no layer stores more than ``B + K`` entries per KV
+head (the dense tail, shared by the heads, grows to at most what the head holding most may
+reach), plus one float32 log-weight per kept entry. A top-k stage keeps ``B`` entries per
+head, a pps stage at most ``B + K - 1`` (its blocks hold at most ``K`` entries, S10.3, so it
+keeps up to ``block - 1`` more or fewer than ``B``).
+
+Refused by name, since they cannot hold it: Ada-KV head budgets, PyramidKV / global layer
+budgets and the global scope (their budgets move between heads or layers, while a decode
+budget holds every head to ``B``), scores read from a reconstruction pass (KVzip, S10.1: a
+second model run over the context, which a decode step does not have), spans (a random kept
+count, S10.3), the with-replacement sampler (``B`` distinct entries in expectation only, S3)
+and ``full`` (it keeps everything).
 """
 
 from __future__ import annotations
@@ -45,7 +55,8 @@ _HEAD_SEED_STRIDE = 7_919
 @dataclass(frozen=True)
 class DecodeBudget:
     """``max_entries`` (``B``) kept per KV head and layer; re-evict every ``every`` (``K``)
-    new entries, so a head holds at most ``B + K`` of them (module docstring)."""
+    new entries, so a head holds at most ``B + K`` of them (module docstring: the exact
+    bound)."""
 
     max_entries: int
     every: int = 1
