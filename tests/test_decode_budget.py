@@ -246,3 +246,19 @@ def test_reports_describe_the_cache_after_a_long_generation():
     kept = [k / r.prefix_length for r in reports for k in r.kept_per_head]
     assert cache.effective_ratio() == pytest.approx(1 - sum(kept) / len(kept))
     assert cache.effective_ratio() > 0.98
+
+
+def test_answer_leaves_a_budgeted_cache_as_it_was(model):
+    """answer() on a cache with a decode budget: its stages evict the prefix too, so it
+    answers from a copy; every question starts from the same compressed state."""
+    from probkv.hf import answer, compress
+
+    cache = compress(model, _ids(30), parse_method("prob:h2o-h"), max_entries=12, every=4)
+    before = _kept(cache)
+    one = answer(model, cache, _ids(3, seed=5), max_new_tokens=20)
+    assert torch.equal(answer(model, cache, _ids(3, seed=5), max_new_tokens=20), one)
+    for (ka, wa), (kb, wb) in zip(before, _kept(cache), strict=True):
+        assert torch.equal(ka, kb) and torch.equal(wa, wb)
+    assert cache.get_seq_length() == 30 and all(
+        layer.decode_state.stages == 1 for layer in _layers(cache)
+    )

@@ -166,7 +166,8 @@ def answer(
     """Answer one question from the compressed context, leaving ``compressed`` unchanged, so
     every question starts from the same compressed state and never sees another question."""
     only_evicting = all(isinstance(layer, EvictingLayer) for layer in compressed.layers)
-    if only_evicting:
+    if only_evicting and compressed.decode_budget is None:
+        # (a decode budget's stages evict the prefix too: such a cache is copied, below)
         # Back to the compressed state even when generate fails part-way through a forward
         # (then layers hold different numbers of new tokens: restore each layer's own).
         tails = [layer.tail_length for layer in compressed.layers]
@@ -178,6 +179,6 @@ def answer(
             for layer, tail_length in zip(compressed.layers, tails):
                 layer.truncate_tail(tail_length)
                 layer.attention_done()  # a failed forward may have left an update pending
-    working = copy.deepcopy(compressed)  # sliding-window layers cannot be rewound
+    working = copy.deepcopy(compressed)  # sliding-window layers, decode stages: no rewind
     working.token_ids = compressed.token_ids
     return generate(model, working, question_ids, max_new_tokens=max_new_tokens, **kw)
