@@ -56,7 +56,7 @@ __all__ = ["EvictingLayer", "LayerReport", "LayerState", "ObserveOnly", "ProbKVC
 class LayerState(enum.Enum):
     """Where an ``EvictingLayer`` is in its life (module docstring)."""
 
-    PREFILL = "prefill"  # the prompt is being read (``prefill_stats``: chunks seen so far)
+    PREFILL = "prefill"  # the prompt is being read (``prompt.chunks``: chunks seen so far)
     # S10.1 scores: prefill seen (``last_query_attention`` kept), the reconstruction pass
     # (probkv.hf.reconstruction) has not run; during its forwards the state is RECONSTRUCTING
     AWAITING_RECONSTRUCTION = "awaiting_reconstruction"
