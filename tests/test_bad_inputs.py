@@ -656,7 +656,7 @@ def test_a_cache_refuses_input_that_does_not_continue_it(tiny_llama):
     gen(first, cache)
     with pytest.raises(
         ValueError,
-        match=r"holds 32 tokens, but the input starts at position 2: it does not continue",
+        match=r"holds 32 tokens, but generate was given a prompt of 30: a prompt must begin",
     ):
         gen(first, cache)  # the same prompt twice
     cache = ProbKVCache(model.config, policy)
@@ -666,17 +666,15 @@ def test_a_cache_refuses_input_that_does_not_continue_it(tiny_llama):
     ):
         gen(other, cache)  # another prompt
     compressed = compress(model, first, policy)
-    with pytest.raises(ValueError, match="holds 30 tokens, but the input starts at position 10"):
+    with pytest.raises(ValueError, match="holds 30 tokens, but generate was given a prompt of 20"):
         gen(other, compressed)
     assert compressed.get_seq_length() == 30
     # answer() leaves the compressed state as it was: any number of questions
     one = answer(model, compressed, other, max_new_tokens=3)
     assert torch.equal(answer(model, compressed, other, max_new_tokens=3), one)
-    generate(model, compressed, other, max_new_tokens=3)  # grows the cache
-    with pytest.raises(
-        ValueError, match=r"holds \d+ tokens and knows the ids of only the first 30"
-    ):
-        generate(model, compressed, other, max_new_tokens=3)
+    generate(model, compressed, other, max_new_tokens=3)  # grows the cache, which records
+    assert compressed.token_ids.shape[1] == compressed.get_seq_length() > 30 + 20  # its ids
+    generate(model, compressed, other, max_new_tokens=3)  # so generate continues them
 
 
 def test_a_cache_of_another_model_names_both_layer_counts(tiny_llama):
@@ -1044,3 +1042,167 @@ def test_cli_eval_ctrl_c_with_workers_is_one_line(tmp_path, cache, gguf):
     assert len(_eval_rows(out)) >= 2
     again = _run(args, cache)
     assert again.returncode == 0 and "8 in all" in again.stdout, again.stderr
+
+
+# ---------------------------------------------------------------------------------------
+# probkv.hf: what a cache can serve, decode budgets, prompt_length, a cache's token ids and
+# bad token ids, each refused by name before any work it would waste.
+
+
+class _Forwards:
+    """Counts the forwards of ``model`` (a pre-hook), to show a check ran before any."""
+
+    def __init__(self, model):
+        self.count = 0
+        self.handle = model.register_forward_pre_hook(self._seen)
+
+    def _seen(self, module, args):
+        self.count += 1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.handle.remove()
+
+
+def test_an_observed_cache_refuses_an_eviction_it_cannot_serve(tiny_llama):
+    from probkv.hf import observe
+    from probkv.policies import parse_method
+
+    ids = _ids(40, 4)
+    h2o = observe(tiny_llama, ids, "h2o")
+    with pytest.raises(
+        ValueError, match=r"observed score 'h2o' .*no reconstruction pass ran.*needs score 'snapkv'"
+    ):
+        h2o.copy().evict(parse_method("snapkv", ratio=0.5))
+    with pytest.raises(
+        ValueError, match=r"needs score 'kvzip' .* and a reconstruction pass \(S10.1\)"
+    ):
+        h2o.copy().evict(parse_method("prob:kvzip", ratio=0.5))
+    window = observe(tiny_llama, ids, "snapkv", {"window": 8})
+    with pytest.raises(ValueError, match=r"'window': 8.*the policy needs.*'window': 32"):
+        window.copy().evict(parse_method("snapkv", ratio=0.5))
+    window.copy().evict(parse_method("snapkv/window=8", ratio=0.5))  # what it observed
+    h2o.copy().evict(parse_method("prob:h2o/chunk_size=4", ratio=0.5))  # chunk_size: memory only
+
+
+def test_a_second_eviction_says_why_it_cannot_run(tiny_llama):
+    from probkv.hf import compress, observe
+    from probkv.policies import parse_method
+
+    ids = _ids(30, 5)
+    policy = parse_method("snapkv", ratio=0.5)
+    for cache in (compress(tiny_llama, ids, policy), observe(tiny_llama, ids, "snapkv")):
+        if not cache.reports():
+            cache.evict(policy)
+        with pytest.raises(ValueError, match=r"already evicted.*needs a fresh one.*observe"):
+            cache.evict(policy)
+
+
+def test_a_decode_budget_refuses_what_cannot_hold_it_and_every_needs_a_budget(tiny_llama):
+    from probkv.hf import ProbKVCache
+    from probkv.policies import parse_method
+
+    config = tiny_llama.config
+    with pytest.raises(ValueError, match=r"method 'full' \(it keeps every entry\)"):
+        ProbKVCache(config, parse_method("full"), max_entries=16, every=4)
+    with pytest.raises(ValueError, match="sampler='with_replacement'"):
+        ProbKVCache(
+            config,
+            parse_method("prob:h2o/sampler=with_replacement/weights=inclusion"),
+            max_entries=8,
+        )
+    for every, message in ((0, "every must be >= 1, got 0"), (-7, "every must be >= 1, got -7")):
+        with pytest.raises(ValueError, match=message):
+            ProbKVCache(config, parse_method("h2o", 0.5), every=every)
+    with pytest.raises(
+        ValueError, match="every=4 applies only to a decode budget: pass max_entries"
+    ):
+        ProbKVCache(config, parse_method("h2o", 0.5), every=4)
+
+
+def test_a_cache_takes_a_policy_not_its_name(tiny_llama):
+    from probkv.hf import ProbKVCache
+
+    with pytest.raises(
+        ValueError, match=r"EvictionPolicy, got str 'snapkv'.*parse_method\('snapkv', ratio"
+    ):
+        ProbKVCache(tiny_llama.config, "snapkv")
+    with pytest.raises(ValueError, match="EvictionPolicy, got NoneType"):
+        ProbKVCache(tiny_llama.config, None)
+
+
+def test_a_prompt_length_beyond_the_prompt_is_refused_at_the_first_decode_step(tiny_llama):
+    from probkv.hf import ProbKVCache
+    from probkv.policies import parse_method
+
+    ids = _ids(20, 6)
+    cache = ProbKVCache(tiny_llama.config, parse_method("h2o", 0.5), prompt_length=40)
+    with pytest.raises(
+        ValueError,
+        match=r"prompt_length=40, but after a prefill of 20 tokens a forward of one token.*"
+        r"the prompt has 20 tokens, not 40",
+    ):
+        tiny_llama.generate(ids, cache=cache, max_new_tokens=3, do_sample=False)
+    cache = ProbKVCache(tiny_llama.config, parse_method("h2o", 0.5), prompt_length=21)
+    with torch.no_grad():  # the prompt's last token on its own ends the prompt: fine
+        tiny_llama(input_ids=ids, cache=cache)
+        tiny_llama(input_ids=_ids(1, 7), cache=cache)
+    assert cache.reports() and cache.get_seq_length() == 21
+
+
+def test_generate_refuses_a_prompt_that_does_not_begin_with_the_cache_ids(tiny_llama):
+    from probkv.hf import ProbKVCache
+    from probkv.policies import parse_method
+
+    first = _ids(20, 8)
+    longer = torch.cat([_ids(20, 9), _ids(20, 10)], dim=1)
+    for second, message in (
+        (
+            longer,
+            r"holds 24 tokens, and the prompt given to generate differs from them at "
+            r"position 0 \(the cache holds token id \d+ there, the prompt has \d+\)",
+        ),
+        (first[:, :10], r"holds 24 tokens, but generate was given a prompt of 10"),
+    ):
+        cache = ProbKVCache(tiny_llama.config, parse_method("h2o", 0.5))
+        out = tiny_llama.generate(first, cache=cache, max_new_tokens=5, min_new_tokens=5)
+        assert torch.equal(cache.token_ids, out[:, :24])
+        with _Forwards(tiny_llama) as forwards, pytest.raises(ValueError, match=message):
+            tiny_llama.generate(second, cache=cache, max_new_tokens=3)
+        assert forwards.count == 0
+        more = tiny_llama.generate(out, cache=cache, max_new_tokens=2, min_new_tokens=2)
+        assert torch.equal(more[:, :25], out)  # its own continuation is accepted
+
+
+@pytest.mark.parametrize(
+    ("ids", "message"),
+    [
+        (torch.tensor([[3.0, 4.0]]), "token ids must be integers, got dtype torch.float32"),
+        (
+            torch.tensor([[3, 10**6]]),
+            r"token id 1000000 at position 1 is outside the model's "
+            r"vocabulary: ids must be in \[0, 262\)",
+        ),
+        (torch.tensor([[-1, 3]]), r"token id -1 at position 0 is outside"),
+        ([3, 4], "token ids must be a torch.Tensor of integers, got list"),
+    ],
+)
+def test_bad_token_ids_are_refused_before_any_prefill(tiny_llama, ids, message):
+    from probkv.hf import answer, compress, generate, observe
+    from probkv.policies import parse_method
+
+    policy = parse_method("snapkv", 0.5)
+    compressed = compress(tiny_llama, _ids(12, 11), policy)
+    assert tiny_llama.config.vocab_size == 262
+    with _Forwards(tiny_llama) as forwards:
+        for run in (
+            lambda: compress(tiny_llama, ids, policy),
+            lambda: observe(tiny_llama, ids, "snapkv"),
+            lambda: generate(tiny_llama, compressed, ids, max_new_tokens=2),
+            lambda: answer(tiny_llama, compressed, ids, max_new_tokens=2),
+        ):
+            with pytest.raises(ValueError, match=message):
+                run()
+    assert forwards.count == 0

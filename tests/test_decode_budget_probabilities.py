@@ -19,7 +19,6 @@ import probkv.hf.attention as attention_module
 from probkv.decode_statistics import decode_probabilities
 from probkv.hf import ProbKVCache, prepare_model
 from probkv.hf.attention import evicted_attention, evicted_attention_with_probabilities
-from probkv.hf.decode_budget import padded_entries
 from probkv.hf.prefix import RaggedPrefix
 from probkv.policies import parse_method
 from probkv.testing import tiny_model
@@ -27,8 +26,8 @@ from probkv.testing import tiny_model
 torch.set_num_threads(1)
 
 TOLERANCE = 1e-5
-# S3: draws with replacement keep B distinct entries in expectation only: ragged heads.
-RAGGED = "prob:h2o/sampler=with_replacement/weights=inclusion"
+# pps blocks of K = 3 entries keep B - 2 .. B + 2 entries per head (S10.3): ragged heads.
+RAGGED = "prob:h2o"
 
 
 def make_layer(lengths, g, q_len, n_tail, *, weighted, seed, d=8, dv=6):
@@ -45,6 +44,26 @@ def make_layer(lengths, g, q_len, n_tail, *, weighted, seed, d=8, dv=6):
     tail_v = torch.randn(1, h, n_tail, dv, generator=gen)
     layer = SimpleNamespace(prefix=prefix, num_heads=h, tail_keys=tail_k, tail_values=tail_v)
     return layer, torch.randn(h * g, q_len, d, generator=gen)
+
+
+def padded_entries(layer):
+    """Every head's entries now (prefix, then tail) padded to the longest, one head at a time:
+    keys ``[Hkv, n, d]``, prefix log-weights ``[Hkv, n]`` (zero on the tail; ``None``
+    without weights) and the heads' lengths."""
+    prefix = layer.prefix
+    tail_k = layer.tail_keys[0]
+    lengths = [n + tail_k.shape[1] for n in prefix.lengths]
+    keys = tail_k.new_zeros(layer.num_heads, max(lengths), tail_k.shape[2])
+    log_weights = None
+    if prefix.log_weights is not None:
+        log_weights = torch.zeros(layer.num_heads, max(lengths))
+    for i in range(layer.num_heads):
+        k, _, lw = prefix.head(i)
+        keys[i, : k.shape[0]] = k
+        keys[i, k.shape[0] : lengths[i]] = tail_k[i]
+        if lw is not None:
+            log_weights[i, : lw.shape[0]] = lw
+    return keys, log_weights, lengths
 
 
 def _reference(layer, query, scale):
@@ -83,13 +102,14 @@ def _layers(cache):
 @pytest.mark.parametrize("method", ["prob:h2o-h", "h2o", "tova", RAGGED])
 def test_statistics_receive_the_recomputed_probabilities_on_a_tiny_model(monkeypatch, method):
     """Every decode step of every layer: what the statistics receive equals the slow
-    reference recomputed from the layer's entries, ragged heads included (the
-    with-replacement sampler); scores without column sums receive them only on stage steps."""
+    reference recomputed from the layer's entries, ragged heads included (pps blocks keep
+    a few entries more or fewer than B); scores without column sums receive them only on stage steps."""
     model = prepare_model(tiny_model("llama", seed=0))
+    scale = model.config.head_dim**-0.5  # the model's attention scaling
     original = attention_module.after_decode_attention
     seen = {"given": 0, "ragged": 0, "stages": 0}
 
-    def checking(layer, query, scale, probabilities=None):
+    def checking(layer, query, probabilities=None):
         due = layer.physical_length() >= layer.decode_budget.peak_entries
         if probabilities is not None:
             seen["given"] += 1
@@ -99,7 +119,7 @@ def test_statistics_receive_the_recomputed_probabilities_on_a_tiny_model(monkeyp
         needs_rows = layer.decode_state.statistics.weighting is not None or due
         assert (probabilities is not None) == needs_rows
         seen["stages"] += due
-        return original(layer, query, scale, probabilities=probabilities)
+        return original(layer, query, probabilities=probabilities)
 
     monkeypatch.setattr(attention_module, "after_decode_attention", checking)
     cache = ProbKVCache(
@@ -118,14 +138,21 @@ def test_statistics_receive_the_recomputed_probabilities_on_a_tiny_model(monkeyp
 
 @pytest.mark.parametrize("method", ["prob:h2o-h", "h2o", "tova", "streaming_llm", RAGGED])
 def test_reuse_keeps_the_same_entries_as_recomputing(monkeypatch, method):
-    """Whole runs, the probabilities reused vs recomputed (``decode_rows_needed`` off: the
-    statistics recompute them): the same kept sets, weights and logits (to rounding)."""
+    """Whole runs, the probabilities reused vs recomputed (the statistics handed the slow
+    reference, ``padded_entries`` then ``decode_probabilities``, instead of the attention's
+    own softmax): the same kept sets, weights and logits (to rounding)."""
     model = prepare_model(tiny_model("llama", seed=0))
+
+    def recomputed(layer, query, scale):
+        return evicted_attention(layer, query, scale), _reference(layer, query, scale)
+
     ids = torch.randint(0, 200, (1, 60), generator=torch.Generator().manual_seed(5))
     runs = []
     for reuse in (True, False):
         if not reuse:
-            monkeypatch.setattr(attention_module, "decode_rows_needed", lambda layer: False)
+            monkeypatch.setattr(
+                attention_module, "evicted_attention_with_probabilities", recomputed
+            )
         cache = ProbKVCache(
             model.config, parse_method(method), prompt_length=20, max_entries=10, every=3
         )

@@ -7,10 +7,21 @@ import math
 import pytest
 import torch
 
+from probkv._checks import check_positive_int
 from probkv.decode_statistics import (
     DecodeStatistics,
     decode_probabilities,
     harmonic_kernel,
+)
+from probkv.scores import (
+    SCORE_NAMES,
+    SCORE_TABLE,
+    Param,
+    Scores,
+    ScoreSpec,
+    compute_scores,
+    needs_reconstruction,
+    score_spec,
 )
 
 
@@ -135,3 +146,88 @@ def test_pending_rows_flush_whenever_full(monkeypatch, score):
     expected += weight(torch.tensor([1.0])).double() * probs.reshape(hkv * g, 4).double()
     got = stats.column_sums([0, 1], 4)
     torch.testing.assert_close(got, expected.float(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [n for n in SCORE_NAMES if "value" in score_spec(n).inputs and not needs_reconstruction(n)],
+)
+def test_value_norm_declarations_match_the_functions(name):
+    """A row declares ``value_norm`` exactly when scaling one entry's value by c adds log c
+    to that entry's log-score against the others' (up to a per-head normalisation): what
+    from_prompt divides out."""
+    gen = torch.Generator().manual_seed(2)
+    hkv, g, t, d = 2, 1, 10, 8  # one query head per group: no mixing of normalised heads
+    query = torch.randn(hkv * g, t, d, generator=gen, dtype=torch.float64).float()
+    key = torch.randn(hkv, t, d, generator=gen)
+    value = torch.randn(hkv, t, d, generator=gen)
+    scaled = value.clone()
+    scaled[:, 3] *= 4.0
+    base = compute_scores(name, query, key, value, scale=0.3).log_scores
+    moved = compute_scores(name, query, key, scaled, scale=0.3).log_scores
+    diff = (moved - base).double()
+    diff = diff - diff[:, :1]  # log-scores may be normalised per head: compare differences
+    expected = torch.zeros_like(diff)
+    if score_spec(name).value_norm:
+        expected[:, 3] = math.log(4.0)
+    torch.testing.assert_close(diff, expected, rtol=0, atol=1e-5)
+
+
+def test_from_prompt_divides_value_norms_out_of_a_value_norm_score():
+    """min-h's prompt scores are column sums times ||v_i||: its decode column sums start from
+    the column sums alone (normalised like the prompt's proposal), h2o-h's from its scores."""
+    gen = torch.Generator().manual_seed(3)
+    hkv, t = 2, 6
+    sums = torch.rand(hkv, t, generator=gen, dtype=torch.float64) + 0.1
+    values = torch.randn(hkv, t, 4, generator=gen)
+    norms = values.double().norm(dim=-1)
+    kept = [torch.arange(t), torch.arange(t)]
+    started = {}
+    for name, scores_ in (("min-h", sums * norms), ("h2o-h", sums)):
+        pi = scores_ / scores_.sum(-1, keepdim=True)
+        started[name] = DecodeStatistics.from_prompt(
+            name,
+            {},
+            prompt_log_scores=pi.log().float(),
+            last_query_attention=pi.float(),
+            kept=kept,
+            values=values,
+        ).sums
+    torch.testing.assert_close(started["min-h"], started["h2o-h"], rtol=1e-6, atol=1e-12)
+    with pytest.raises(ValueError, match="value norms"):
+        DecodeStatistics.from_prompt(
+            "min-h",
+            {},
+            prompt_log_scores=sums.log().float(),
+            last_query_attention=sums.float(),
+            kept=kept,
+        )
+
+
+def test_observation_clamps_the_rows_parameter_the_row_declares(monkeypatch):
+    """The parameter named by a row's ``last_rows`` (not a name known in advance) shrinks to
+    the decode rows seen when a stage observes after fewer rows than it asks for."""
+    seen = []
+
+    def last_n(query, key, *, rows: int = 5):
+        seen.append(rows)
+        return Scores(torch.zeros(key.shape[0], key.shape[1]))
+
+    row = ScoreSpec(
+        last_n, ("query", "key"), {"rows": Param(5, check_positive_int)}, last_rows="rows"
+    )
+    monkeypatch.setitem(SCORE_TABLE, "last-n", row)
+    t = 4
+    stats = DecodeStatistics.from_prompt(
+        "last-n",
+        {"rows": 5},
+        prompt_log_scores=torch.full((1, t), 1 / t).log(),
+        last_query_attention=torch.full((1, t), 1 / t),
+        kept=[torch.arange(t)],
+    )
+    for _ in range(2):  # two decode rows
+        n = stats.width + 1
+        stats.observe(torch.full((1, 1, 1, n), 1 / n), torch.randn(1, 1, 8))
+    keys = torch.randn(1, stats.width, 8)
+    stats.observation([0], keys, keys, scale=0.3, layer_idx=0, rank=0)
+    assert seen == [2]

@@ -59,9 +59,9 @@ def record_selections(monkeypatch) -> dict[int, object]:
     seen: dict[int, object] = {}
     original = eviction_module.apply_selection
 
-    def recording(layer, selection, policy):
+    def recording(layer, selection, *args):
         seen[layer.layer_idx] = selection
-        original(layer, selection, policy)
+        original(layer, selection, *args)
 
     monkeypatch.setattr(eviction_module, "apply_selection", recording)
     return seen
@@ -277,7 +277,7 @@ def test_layers_move_through_their_states(tiny):
     assert all(layer.state is LayerState.EVICTED and layer.is_evicted for layer in layers)
     assert all(layer.observation is None and layer.report is not None for layer in layers)
     assert not cache.eviction_pending
-    with pytest.raises(ValueError, match="cannot evict before prefill"):
+    with pytest.raises(ValueError, match=r"layers \[[0-9, ]+\] were already evicted"):
         cache.evict()
     with pytest.raises(RuntimeError, match="observed twice"):
         layers[0].observed(observation)

@@ -66,7 +66,7 @@ def snapshot(cache) -> list[dict]:
             state = {
                 "keys": layer.tail_keys.clone(),
                 "values": layer.tail_values.clone(),
-                "capacity": layer._tail_keys.shape,
+                "capacity": layer.tail.capacity,
                 "lengths": (layer.get_seq_length(), layer.physical_length(), layer.tail_length),
             }
         else:
@@ -247,12 +247,13 @@ def test_calibrated_eviction_keeps_the_designs_entries_with_fitted_weights(tiny)
     ids = context_ids(model, 40)
     observed = observe(model, ids, "kvzip", {"chunk_tokens": 12}, repeat_prompt=PROMPT)
     plain, fitted = observed.copy(), observed.copy()
-    policy = parse_method("prob:kvzip/calibrate=0.05", ratio=0.5)
+    # the policies observe what the cache observed (chunk_tokens=12): else evict refuses
+    policy = parse_method("prob:kvzip/chunk_tokens=12/calibrate=0.05", ratio=0.5)
     layers = [observed.layers[i] for i in observed.evicting_layers]
-    design = parse_method("prob:kvzip", ratio=0.5).select(
+    design = parse_method("prob:kvzip/chunk_tokens=12", ratio=0.5).select(
         [layer.observation for layer in layers], num_layers=len(layers)
     )
-    plain.evict(parse_method("prob:kvzip", ratio=0.5))
+    plain.evict(parse_method("prob:kvzip/chunk_tokens=12", ratio=0.5))
     fitted.evict(policy)
     for layer, sel, i in zip(layers, design, observed.evicting_layers):
         a, b = plain.layers[i].prefix, fitted.layers[i].prefix

@@ -134,7 +134,7 @@ class DecodeStatistics:
         prompt_log_scores: torch.Tensor,
         last_query_attention: torch.Tensor,
         kept: Sequence[torch.Tensor],
-        value_norms: torch.Tensor | None = None,
+        values: torch.Tensor | None = None,
     ) -> DecodeStatistics:
         """Statistics after the prompt's eviction (stage 1): the prompt's ``t`` rows enter the
         column sums through its proposal ``exp(log_scores) [Hkv, t]`` (each of its rows counted
@@ -145,7 +145,10 @@ class DecodeStatistics:
         device = prompt_log_scores.device
         weighting = scores.column_sums_needed(score)
         pi = torch.exp(prompt_log_scores.double())
-        if value_norms is not None:
+        if weighting is not None and scores.score_spec(score).value_norm:
+            if values is None:
+                raise ValueError(f"score {score!r} multiplies by value norms: pass values")
+            value_norms = values.float().norm(dim=-1)
             pi = pi / value_norms.to(device).double().clamp_min(1e-12)
             pi = pi / pi.sum(-1, keepdim=True)
         if weighting is None:
@@ -266,7 +269,8 @@ class DecodeStatistics:
     ) -> LayerObservation:
         """The policy's observation of ``heads`` (equal lengths ``n``): ``keys``/``values
         [len(heads), n, d]`` their entries now. Scores that read the last query rows get the
-        rows seen (SnapKV's window shrinks to them right after the prompt)."""
+        rows seen: a row's ``last_rows`` parameter (SnapKV's window) shrinks to them right
+        after the prompt."""
         n = keys.shape[1]
         g = self.group
         params = dict(self.score_params)
@@ -275,8 +279,9 @@ class DecodeStatistics:
             rows = self.queries.view(-1, g, *self.queries.shape[1:])[list(heads)]
             rows = rows.reshape(-1, *rows.shape[2:])[:, -n:].to(keys.dtype)
             query[:, n - rows.shape[1] :] = rows
-            if "window" in params:
-                params["window"] = min(params["window"], rows.shape[1])
+            rows_param = scores.score_spec(self.score).last_rows
+            if isinstance(rows_param, str):  # e.g. SnapKV's window: at most the rows seen
+                params[rows_param] = min(scores.last_query_rows(self.score, params), rows.shape[1])
         result = scores.compute_scores(
             self.score,
             query,

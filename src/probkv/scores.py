@@ -144,6 +144,10 @@ class ScoreSpec:
     ``last_rows``: how many of the last query rows the function reads (an int, or the name of
     the parameter that sets it); every other row reaches it only through ``column_sums``. A
     prefill seen in chunks keeps just these rows (``probkv.observation.PrefillStatistics``).
+    ``value_norm``: the function multiplies each entry's attention statistic by its value norm
+    ``||v_i||_2`` (S2's minimum-variance scores ``min``, ``min-h``); a decode budget divides it
+    back out of the prompt's scores to start its column sums
+    (``probkv.decode_statistics.DecodeStatistics.from_prompt``). Needs the ``value`` input.
     """
 
     function: Callable[..., Scores]
@@ -153,6 +157,7 @@ class ScoreSpec:
     attention_scale: bool = False
     source: Literal["prefill", "reconstruction"] = "prefill"
     last_rows: int | str = 1
+    value_norm: bool = False
 
     def __post_init__(self) -> None:
         # A row that cannot be called as declared fails at import, not at the first prefill.
@@ -163,6 +168,8 @@ class ScoreSpec:
         if (self.column_sums is None) == ("column_sums" in self.inputs):
             raise ValueError(f"{self.function.__name__}: column_sums and inputs disagree")
         check_choice(self.source, SCORE_SOURCES, "source")
+        if self.value_norm and "value" not in self.inputs:
+            raise ValueError(f"{self.function.__name__}: value_norm needs the value input")
         if isinstance(self.last_rows, str):
             check_choice(self.last_rows, self.params, "last_rows")
         else:
@@ -207,6 +214,7 @@ SCORE_TABLE: dict[str, ScoreSpec] = {
         ("query", "key", "value", "scale"),
         {"alpha": _ALPHA},
         attention_scale=True,
+        value_norm=True,
     ),
     "min-h": ScoreSpec(
         min_variance_harmonic,
@@ -214,6 +222,7 @@ SCORE_TABLE: dict[str, ScoreSpec] = {
         {"alpha": _ALPHA},
         column_sums="harmonic",
         attention_scale=True,
+        value_norm=True,
     ),
     "snapkv": ScoreSpec(
         snapkv,

@@ -76,6 +76,26 @@ class RaggedSelection:
             lw = torch.cat([w.to(torch.float32)[o.indices] for w, o in zip(log_weights, order)])
         return cls(indices, lengths, lw)
 
+    @classmethod
+    def concat(cls, parts: list[RaggedSelection]) -> RaggedSelection:
+        """One selection of several heads' selections, heads in the order given (weights 0,
+        i.e. weight 1, for a part without them when another part has some)."""
+        log_weights = None
+        if any(p.log_weights is not None for p in parts):
+            log_weights = torch.cat(
+                [
+                    p.log_weights
+                    if p.log_weights is not None
+                    else torch.zeros(p.indices.numel(), device=p.indices.device)
+                    for p in parts
+                ]
+            )
+        return cls(
+            torch.cat([p.indices for p in parts]),
+            torch.cat([p.lengths for p in parts]),
+            log_weights,
+        )
+
     def dense_log_weights(self, t: int, *, evicted: float = -math.inf) -> torch.Tensor:
         """``[Hkv, t]`` float32: each kept entry's log-weight (0 without correction), ``evicted``
         elsewhere (``-inf``: excluded from a softmax, S4)."""

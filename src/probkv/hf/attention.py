@@ -31,6 +31,7 @@ from transformers.masking_utils import sdpa_mask
 
 from probkv.hf.cache import EvictingLayer, LayerState
 from probkv.hf.decode_budget import after_decode_attention, decode_rows_needed
+from probkv.hf.eviction import evict_decode_stage
 from probkv.hf.prefill import observe_prompt_chunk
 from probkv.observation import causal_offset_mask, dense_causal_attention, last_query_attention
 from probkv.scores import needs_reconstruction
@@ -84,7 +85,8 @@ def layer_attention(
             out, probs = evicted_attention_with_probabilities(layer, query, scale)
         else:
             out = evicted_attention(layer, query, scale)
-        after_decode_attention(layer, query, scale, probabilities=probs)
+        if after_decode_attention(layer, query, probabilities=probs):
+            evict_decode_stage(layer, scale)  # the prompt's eviction path (probkv.hf.eviction)
         return out
     if layer.state is LayerState.RECONSTRUCTING:  # S10.1, probkv.hf.reconstruction
         return layer.scoring.attend(layer, query, scale)
@@ -157,8 +159,10 @@ RAGGED_BLOCK_BYTES = 64 * 2**20
 RAGGED_BATCHED_ON_CPU = False
 
 
-def ragged_merge_batched(prefix, qg, tail_logits, tail_v, scale: float) -> torch.Tensor:
-    """``_merge`` for every head of a ragged prefix in batched ops, no loop over heads (S4).
+def _ragged_batched(prefix, qg, tail_logits, tail_v, scale: float, keep_probs: bool):
+    """Decode attention for every head of a ragged prefix in batched ops, no loop over heads
+    (S4); with ``keep_probs`` also its probabilities, padded per head (``[H, R, max length +
+    T]``, ``evicted_attention_with_probabilities``).
 
     Entry ``n`` of the flattened prefix belongs to head ``prefix.head_index[n]``. One matmul of
     every query row with every entry gives ``[H, rows, N]``; each entry keeps its own head's
@@ -170,12 +174,6 @@ def ragged_merge_batched(prefix, qg, tail_logits, tail_v, scale: float) -> torch
     per-head lengths on the host; row blocks bound the scratch to ``RAGGED_BLOCK_BYTES``.
     ``qg [H, R, d]`` (R = g * q), ``tail_logits [H, R, T]`` float32 -> ``[H, R, d_v]``.
     """
-    return _ragged_batched(prefix, qg, tail_logits, tail_v, scale, False)[0]
-
-
-def _ragged_batched(prefix, qg, tail_logits, tail_v, scale: float, keep_probs: bool):
-    """``ragged_merge_batched``; with ``keep_probs`` also its probabilities, padded per head
-    (``[H, R, max length + T]``, ``evicted_attention_with_probabilities``)."""
     h, rows, d = qg.shape
     n = prefix.keys.shape[0]
     head = prefix.head_index  # [N]
@@ -224,8 +222,9 @@ def _padded_probabilities(prefix, tail_logits):
 
 
 def ragged_merge_per_head(prefix, qg, tail_logits, tail_v, scale: float) -> torch.Tensor:
-    """The obvious form of ``ragged_merge_batched``: a Python loop over heads, one ``_merge``
-    each; the reference in tests, and the CPU path (``RAGGED_BATCHED_ON_CPU``)."""
+    """The obvious form of the batched ragged decode (``_ragged_batched``): a Python loop over
+    heads, one softmax over prefix and tail each; the reference in tests, and the CPU path
+    (``RAGGED_BATCHED_ON_CPU``)."""
     return _ragged_per_head(prefix, qg, tail_logits, tail_v, scale, False)[0]
 
 
@@ -255,13 +254,9 @@ def _prefix_logits(q, keys, values, log_weights, scale: float) -> torch.Tensor:
     return logits
 
 
-def _merge(prefix_logits, tail_logits, prefix_values, tail_values) -> torch.Tensor:
-    """One softmax over prefix and tail logits, then the expectation of the values."""
-    return _merge_with_probabilities(prefix_logits, tail_logits, prefix_values, tail_values)[0]
-
-
 def _merge_with_probabilities(prefix_logits, tail_logits, prefix_values, tail_values):
-    """``_merge`` and its float32 probabilities ``[..., prefix + tail]``."""
+    """One softmax over prefix and tail logits, the expectation of the values under it, and
+    its float32 probabilities ``[..., prefix + tail]``."""
     length = prefix_logits.shape[-1]
     probs = torch.softmax(torch.cat([prefix_logits, tail_logits], dim=-1), dim=-1)
     weights = probs.to(prefix_values.dtype)

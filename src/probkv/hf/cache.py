@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import copy
 import enum
-from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import (
@@ -42,29 +41,22 @@ from transformers.cache_utils import (
 from probkv._checks import check_positive_int
 from probkv.estimator import compose_log_weights
 from probkv.hf import guards
-from probkv.hf.decode_budget import DecodeBudget
+from probkv.hf.decode_budget import DecodeBudget, LayerDecodeState
 from probkv.hf.eviction import evict_layers
-from probkv.hf.prefix import RaggedPrefix
+from probkv.hf.prefill import ObserveOnly, PromptReading
+from probkv.hf.prefix import DenseTail, RaggedPrefix
 from probkv.hf.report import LayerReport
-from probkv.observation import PrefillStatistics
-from probkv.policies.base import (
-    EvictionPolicy,
-    LayerObservation,
-    validate_common,
-)
+from probkv.policies.base import EvictionPolicy, LayerObservation
 from probkv.selection import RaggedSelection
 
-# Tail buffers grow by this many slots at least (amortised O(1) appends during decoding,
-# instead of transformers' copy of the whole cache at every step).
-_TAIL_GROWTH = 16
-
 KWARGS_CHANNEL_KEY = "probkv_layer"
+__all__ = ["EvictingLayer", "LayerReport", "LayerState", "ObserveOnly", "ProbKVCache"]
 
 
 class LayerState(enum.Enum):
     """Where an ``EvictingLayer`` is in its life (module docstring)."""
 
-    PREFILL = "prefill"  # the prompt is being read (``prefill_stats``: chunks seen so far)
+    PREFILL = "prefill"  # the prompt is being read (``prompt.chunks``: chunks seen so far)
     # S10.1 scores: prefill seen (``last_query_attention`` kept), the reconstruction pass
     # (probkv.hf.reconstruction) has not run; during its forwards the state is RECONSTRUCTING
     AWAITING_RECONSTRUCTION = "awaiting_reconstruction"
@@ -74,7 +66,16 @@ class LayerState(enum.Enum):
 
 
 class EvictingLayer(CacheLayerMixin):
-    """One global-attention layer's cache with eviction and decode-time correction."""
+    """One global-attention layer's cache with eviction and decode-time correction.
+
+    Its state is grouped into small objects, each written by one module: ``prompt``
+    (``probkv.hf.prefill.PromptReading``), ``tail`` and ``prefix`` (``probkv.hf.prefix``),
+    ``decode_state`` (``probkv.hf.decode_budget.LayerDecodeState``), ``scoring``
+    (``probkv.hf.reconstruction.LayerScoring``), ``report`` (``probkv.hf.eviction``). Other
+    modules change the layer through its methods: ``observed``, ``continue_prefill``,
+    ``end_prefill``, ``awaits_reconstruction``, ``start_scoring``/``stop_scoring``, ``evict``,
+    ``record_report``, ``use_policy``, ``truncate_tail``, ``attention_done``.
+    """
 
     is_sliding = False
     is_compileable = False
@@ -94,25 +95,36 @@ class EvictingLayer(CacheLayerMixin):
         self.policy = policy
         self.rank = rank  # position among the evicting layers
         self.num_evicting = num_evicting
-        # Where the prompt ends (probkv.hf.prefill): its length if known, the chunks seen.
-        self.prompt_length = prompt_length
-        self.prefill_stats: PrefillStatistics | None = None
-        self.prompt_complete = False  # the observation covers the whole prompt
-        self.prefix: RaggedPrefix | None = None
-        self.prefix_length = 0  # logical entries covered by the prefix (t at eviction)
-        self._tail_keys: torch.Tensor | None = None  # [1, Hkv, capacity, d]
-        self._tail_values: torch.Tensor | None = None
-        self.tail_length = 0
         self.state = LayerState.PREFILL
-        self._observation: LayerObservation | None = None  # held in state OBSERVED only
+        self.prompt = PromptReading(prompt_length)  # where the prompt ends (probkv.hf.prefill)
+        self.tail = DenseTail()  # [1, Hkv, capacity, d]: the prompt, then tokens since eviction
+        self.prefix: RaggedPrefix | None = None  # the ragged weighted prefix, once evicted
         self.report: LayerReport | None = None  # set by every eviction
-        # S10.1: p_t [Hkv, t] kept from the prefill for the report (AWAITING_RECONSTRUCTION),
-        # and the pass's per-layer scoring (RECONSTRUCTING; probkv.hf.reconstruction)
-        self.last_query_attention: torch.Tensor | None = None
-        self.scoring = None
+        self.scoring = None  # S10.1: the pass's per-layer scoring (RECONSTRUCTING)
         self._awaiting_attention = False  # update() ran, probkv's attention not yet
-        self.decode_budget = decode_budget  # S10.5 (probkv.hf.decode_budget)
-        self.decode_state = None  # its statistics, from the prompt's eviction on
+        # S10.5 (probkv.hf.decode_budget): the budget and its statistics
+        self.decode_state = None if decode_budget is None else LayerDecodeState(decode_budget)
+
+    @property
+    def prompt_length(self) -> int | None:
+        return self.prompt.length
+
+    @property
+    def decode_budget(self) -> DecodeBudget | None:
+        return None if self.decode_state is None else self.decode_state.budget
+
+    @property
+    def prefix_length(self) -> int:
+        """Logical entries covered by the prefix (tokens seen at the latest eviction)."""
+        return 0 if self.prefix is None else self.prefix.covers
+
+    @property
+    def tail_length(self) -> int:
+        return self.tail.length
+
+    @property
+    def last_query_attention(self) -> torch.Tensor | None:
+        return self.prompt.last_query_attention
 
     # ----------------------------------------------------------------- protocol
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -144,19 +156,28 @@ class EvictingLayer(CacheLayerMixin):
         if self.state is LayerState.RECONSTRUCTING:
             # S10.1: the chunk attends to the cache and to itself but is never stored
             self.scoring.keys, self.scoring.values = key_states, value_states
-            kwargs[KWARGS_CHANNEL_KEY] = self
-            self._awaiting_attention = True
-            return self.tail_keys, self.tail_values
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        self._append_tail(key_states, value_states)
+        else:
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            self.tail.append(key_states, value_states, self._tail_capacity)
         kwargs[KWARGS_CHANNEL_KEY] = self  # hand this layer to the attention function
         self._awaiting_attention = True
         return self.tail_keys, self.tail_values
 
+    def _tail_capacity(self, need: int, planned: int) -> int:
+        """How far the tail grows: the whole prompt at its first chunk when its length is
+        known (no copy per chunk); with a decode budget, to at most what the head holding
+        most entries may reach, ``B + K`` (the tail is shared by the heads)."""
+        if self.state is LayerState.PREFILL and self.prompt.length:
+            return max(need, self.prompt.length)
+        if self.state is LayerState.EVICTED and self.decode_state is not None:
+            room = self.decode_state.budget.peak_entries - max(self.prefix.lengths)
+            return max(need, min(planned, room))
+        return planned
+
     def get_seq_length(self) -> int:
         """Logical length: every token the layer has seen, evicted or not (positions, RoPE)."""
-        return self.prefix_length + self.tail_length
+        return self.prefix_length + self.tail.length
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """Physical sizes: what the attention actually sees after this update (S6 pitfall).
@@ -172,19 +193,23 @@ class EvictingLayer(CacheLayerMixin):
             self.policy,
             self.rank,
             self.num_evicting,
-            self.prompt_length,
+            self.prompt.length,
             self.decode_budget,
         )
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last ``-tokens_to_remove`` tokens of the tail (never the evicted prefix)."""
         guards.check_no_decode_budget(self.decode_budget, "crop")
-        if tokens_to_remove > 0 or -tokens_to_remove > self.tail_length:
+        if tokens_to_remove > 0 or -tokens_to_remove > self.tail.length:
             raise ValueError(
-                f"crop takes a negative count of at most the {self.tail_length} tokens added since "
+                f"crop takes a negative count of at most the {self.tail.length} tokens added since "
                 f"eviction; got {tokens_to_remove}"
             )
-        self.tail_length += tokens_to_remove
+        self.tail.truncate(self.tail.length + tokens_to_remove)
+
+    def truncate_tail(self, length: int) -> None:
+        """Keep the first ``length`` tokens added since eviction (``answer``, ``rewind``)."""
+        self.tail.truncate(length)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise ValueError("probkv caches hold batch size 1 and do not support beam search")
@@ -203,54 +228,23 @@ class EvictingLayer(CacheLayerMixin):
     # ------------------------------------------------------------------ storage
     @property
     def tail_keys(self) -> torch.Tensor:
-        return self._tail_keys[:, :, : self.tail_length]
+        return self.tail.keys
 
     @property
     def tail_values(self) -> torch.Tensor:
-        return self._tail_values[:, :, : self.tail_length]
-
-    def _append_tail(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        n = key_states.shape[2]
-        need = self.tail_length + n
-        capacity = 0 if self._tail_keys is None else self._tail_keys.shape[2]
-        if need > capacity:
-            # The prompt is stored exactly (all of it at its first chunk when its length is
-            # known: no copy per chunk); later appends grow geometrically.
-            new_cap = need if self.tail_length == 0 else need + max(_TAIL_GROWTH, capacity // 8)
-            if self.state is LayerState.PREFILL and self.prompt_length:
-                new_cap = max(need, self.prompt_length)
-            elif self.state is LayerState.EVICTED and self.decode_budget:  # <= B + K a head
-                new_cap = max(
-                    need, min(new_cap, self.decode_budget.peak_entries - min(self.prefix.lengths))
-                )
-            self._tail_keys = self._grow(self._tail_keys, key_states, new_cap)
-            self._tail_values = self._grow(self._tail_values, value_states, new_cap)
-        self._tail_keys[:, :, self.tail_length : need] = key_states
-        self._tail_values[:, :, self.tail_length : need] = value_states
-        self.tail_length = need
-
-    def _grow(self, old: torch.Tensor | None, like: torch.Tensor, capacity: int) -> torch.Tensor:
-        shape = (1, like.shape[1], capacity, like.shape[3])
-        new = like.new_empty(shape)
-        if old is not None and self.tail_length:
-            new[:, :, : self.tail_length] = old[:, :, : self.tail_length]
-        return new
+        return self.tail.values
 
     def physical_length(self, head: int | None = None) -> int:
         """Entries stored for one KV head (or the longest head)."""
         if self.prefix is None:
-            return self.tail_length
+            return self.tail.length
         lengths = self.prefix.lengths if head is None else [self.prefix.lengths[head]]
-        return max(lengths) + self.tail_length
+        return max(lengths) + self.tail.length
 
     def nbytes(self) -> int:
         """Bytes held by this layer: prefix (keys, values, log-weights) plus the
         allocated tail buffer (capacity, not just length)."""
-        total = 0 if self.prefix is None else self.prefix.nbytes()
-        for t in (self._tail_keys, self._tail_values):
-            if t is not None:
-                total += t.numel() * t.element_size()
-        return total
+        return (0 if self.prefix is None else self.prefix.nbytes()) + self.tail.nbytes()
 
     # ----------------------------------------------------------------- eviction
     @property
@@ -261,19 +255,20 @@ class EvictingLayer(CacheLayerMixin):
         """probkv's attention function ran after ``update`` (checked at the next update)."""
         self._awaiting_attention = False
 
+    def use_policy(self, policy: EvictionPolicy) -> None:
+        """The policy that evicts this layer (``ProbKVCache.evict(policy)``)."""
+        self.policy = policy
+
     @property
     def observation(self) -> LayerObservation | None:
         """Held in state ``OBSERVED``; a provisional one (the prompt's end unknown) is computed
         from the chunk statistics when first read."""
-        if self._observation is None and self.state is LayerState.OBSERVED and self.prefill_stats:
-            self._observation = self.prefill_stats.observe(
+        prompt = self.prompt
+        if prompt.observation is None and self.state is LayerState.OBSERVED and prompt.chunks:
+            prompt.observation = prompt.chunks.observe(
                 self.tail_keys[0], self.tail_values[0], layer_idx=self.layer_idx, rank=self.rank
             )
-        return self._observation
-
-    @observation.setter
-    def observation(self, value: LayerObservation | None) -> None:
-        self._observation = value
+        return prompt.observation
 
     def observed(self, observation: LayerObservation | None, *, final: bool = True) -> None:
         """``PREFILL`` -> ``OBSERVED``. ``final`` (the whole prompt): a layerwise policy evicts
@@ -282,37 +277,53 @@ class EvictingLayer(CacheLayerMixin):
             raise RuntimeError(
                 f"layer {self.layer_idx} was observed twice (state {self.state.name})"
             )
-        self.observation = observation
-        self.last_query_attention = None
+        self.prompt.observation = observation
+        self.prompt.last_query_attention = None
         self.state = LayerState.OBSERVED
         if final:
             self.end_prefill()
 
     def continue_prefill(self) -> None:
         """Another prompt chunk after a provisional observation: ``OBSERVED`` -> ``PREFILL``."""
-        self.prefill_stats.check_next_chunk()
-        self.observation = None
+        self.prompt.chunks.check_next_chunk()
+        self.prompt.observation = None
         self.state = LayerState.PREFILL
 
     def end_prefill(self) -> None:
         """The observation covers the whole prompt (computed now if provisional): drop the
         chunk statistics; a layerwise policy evicts now."""
-        self.observation = self.observation
-        self.prefill_stats = None
-        self.prompt_complete = True
+        self.prompt.observation = self.observation
+        self.prompt.chunks = None
+        self.prompt.complete = True
         if self.policy.layerwise:
             evict_layers(self.policy, [self], num_layers=self.num_evicting)
+
+    def record_report(self, report: LayerReport) -> None:
+        """What the latest eviction left (``probkv.hf.eviction.apply_selection``)."""
+        self.report = report
 
     def awaits_reconstruction(self, last_query_attention: torch.Tensor) -> None:
         """The prefill of a reconstruction score (S10.1): keep ``p_t`` for the report and wait
         for the pass (``PREFILL`` -> ``AWAITING_RECONSTRUCTION``)."""
         if self.state is not LayerState.PREFILL:
             raise RuntimeError(f"layer {self.layer_idx}: prefill seen twice ({self.state.name})")
-        self.last_query_attention = last_query_attention
+        self.prompt.last_query_attention = last_query_attention
         self.state = LayerState.AWAITING_RECONSTRUCTION
+
+    def start_scoring(self, scoring) -> None:
+        """A reconstruction chunk's forward (S10.1): ``AWAITING_RECONSTRUCTION`` ->
+        ``RECONSTRUCTING``, ``scoring`` (a ``LayerScoring``) receives the chunk."""
+        if self.state is not LayerState.AWAITING_RECONSTRUCTION:
+            raise RuntimeError(f"layer {self.layer_idx}: not awaiting reconstruction")
+        self.scoring, self.state = scoring, LayerState.RECONSTRUCTING
+
+    def stop_scoring(self) -> None:
+        """After a reconstruction chunk: back to ``AWAITING_RECONSTRUCTION``."""
+        self.scoring, self.state = None, LayerState.AWAITING_RECONSTRUCTION
 
     def evict(self, selection: RaggedSelection) -> None:
         """Keep ``selection`` of the entries this layer holds now, compose log-weights (S4).
+        Called by ``probkv.hf.eviction.apply_selection`` only (every eviction goes there).
 
         Indices of head ``h`` refer to its current entries in order: its prefix entries (if
         this layer was evicted before), then every tail entry. Tail entries carry no weight;
@@ -324,16 +335,15 @@ class EvictingLayer(CacheLayerMixin):
             raise ValueError(
                 f"selection has {selection.num_heads} heads, layer {self.layer_idx} has {self.num_heads}"
             )
-        old = self.prefix
-        current = [(old.lengths[h] if old else 0) + self.tail_length for h in range(self.num_heads)]
         keys, values, logw = [], [], []
         for h in range(self.num_heads):
             idx, new_lw = selection.head(h)
-            if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= current[h]):
-                raise ValueError(
-                    f"selection for head {h} of layer {self.layer_idx} has indices outside [0, {current[h]})"
-                )
             k_h, v_h, lw_h = self._current_entries(h)
+            if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= k_h.shape[0]):
+                raise ValueError(
+                    f"selection for head {h} of layer {self.layer_idx} has indices outside "
+                    f"[0, {k_h.shape[0]})"
+                )
             idx = idx.to(self.device)
             keys.append(k_h.index_select(0, idx))
             values.append(v_h.index_select(0, idx))
@@ -342,9 +352,8 @@ class EvictingLayer(CacheLayerMixin):
                 new_lw = new_lw.to(device=self.device, dtype=torch.float32)
                 combined = new_lw if combined is None else compose_log_weights(combined, new_lw)
             logw.append(combined)
-        has_weights = any(w is not None for w in logw)
         log_weights = None
-        if has_weights:
+        if any(w is not None for w in logw):
             log_weights = torch.cat(
                 [
                     w if w is not None else torch.zeros(k.shape[0], device=self.device)
@@ -358,15 +367,10 @@ class EvictingLayer(CacheLayerMixin):
             values=torch.cat(values).contiguous(),
             log_weights=log_weights,
             lengths=[int(k.shape[0]) for k in keys],
+            covers=self.get_seq_length(),
         )
-        self.prefix_length = self.get_seq_length()
-        # Free the dense buffer; the next token allocates a small tail.
-        self._tail_keys = self._tail_keys[:, :, :0].clone()
-        self._tail_values = self._tail_values[:, :, :0].clone()
-        self.tail_length = 0
-        self.observation = None
-        self.prefill_stats = None
-        self.prompt_complete = True
+        self.tail.clear()  # free the dense buffer; the next token allocates a small tail
+        self.prompt = PromptReading(self.prompt.length, complete=True)
         self.state = LayerState.EVICTED
 
     def _current_entries(self, h: int):
@@ -377,27 +381,8 @@ class EvictingLayer(CacheLayerMixin):
             return tail_k, tail_v, None
         k, v, lw = self.prefix.head(h)
         if lw is not None:
-            lw = torch.cat([lw, torch.zeros(self.tail_length, device=self.device)])
+            lw = torch.cat([lw, torch.zeros(self.tail.length, device=self.device)])
         return torch.cat([k, tail_k]), torch.cat([v, tail_v]), lw
-
-
-@dataclass(frozen=True)
-class ObserveOnly(EvictionPolicy):
-    """Observes ``score`` during prefill and defers eviction to ``ProbKVCache.evict(policy)``:
-    one prefill, then a copy of the observed cache per method (see ``probkv.hf.observe``)."""
-
-    def __post_init__(self) -> None:
-        validate_common(self)
-
-    @property
-    def layerwise(self) -> bool:
-        return False
-
-    def select(self, observations, *, num_layers):
-        raise ValueError(
-            "this cache was only observed (probkv.hf.observe): call cache.evict(policy) with "
-            "a policy that observes the same score before generating"
-        )
 
 
 class ProbKVCache(Cache):
@@ -411,9 +396,10 @@ class ProbKVCache(Cache):
     the next forward or on ``evict()``; with ``prompt_length``, layerwise policies evict each
     layer right after its last prefill attention (the full cache never exists at once). A
     cache holds one prompt and refuses input that does not continue it (``hf.guards``).
-    ``max_entries=B``, ``every=K``: a decode budget, at most ``B + K`` entries per KV head
-    for any length generated (the prompt evicted to ``B``, then every ``K`` new entries;
-    the budget replaces the policy's ``ratio``; ``probkv.hf.decode_budget``, S10.5).
+    ``max_entries=B``, ``every=K`` (default 1; only with ``max_entries``): a decode budget,
+    at most ``B + K`` entries per KV head from the prompt's eviction on, for any length
+    generated one token at a time (the prompt evicted to ``B``, then every ``K`` new
+    entries; the budget replaces the policy's ``ratio``; ``probkv.hf.decode_budget``, S10.5).
     """
 
     def __init__(
@@ -423,11 +409,12 @@ class ProbKVCache(Cache):
         *,
         prompt_length: int | None = None,
         max_entries: int | None = None,
-        every: int = 1,
+        every: int | None = None,
     ) -> None:
+        guards.check_policy_type(policy)
         if prompt_length is not None:
             check_positive_int(prompt_length, "prompt_length")
-        budget = None if max_entries is None else DecodeBudget(max_entries, every)
+        budget = guards.decode_budget(max_entries, every)
         if budget is not None:
             budget.check_policy(policy)
         text_config = config.get_text_config(decoder=True)
@@ -451,6 +438,7 @@ class ProbKVCache(Cache):
             )
         super().__init__(layers=layers)
         self.policy = policy
+        self.observing = policy  # the score (and parameters) its prefill observes
         self.evicting_layers = [
             i for i, layer in enumerate(layers) if isinstance(layer, EvictingLayer)
         ]
@@ -459,7 +447,8 @@ class ProbKVCache(Cache):
         self.decode_budget = budget
         self.layer_types = list(layer_types)  # of the config it was built for (issue 11)
         # ``[1, t]`` the token ids the cache holds, set by ``probkv.hf.compress`` / ``observe``
-        # so that ``generate`` can continue with true positions; ``None`` until then.
+        # and by ``model.generate`` (``probkv.hf.model``), so that generation continues with
+        # true positions and a different prompt is refused; ``None`` while unknown.
         self.token_ids: torch.Tensor | None = None
 
     # ---------------------------------------------------------------- protocol
@@ -481,6 +470,7 @@ class ProbKVCache(Cache):
         input continues what the cache holds, and where the prompt ends (module docstring)."""
         guards.check_layers_used(self.layers)
         guards.check_continues(self.get_seq_length(), attention_kwargs)
+        guards.check_prompt_end(self.prompt_length, self.get_seq_length(), new_tokens)
         if self.prefill_open:
             if new_tokens > 1:  # another chunk of the prompt
                 for i in self.evicting_layers:
@@ -511,7 +501,7 @@ class ProbKVCache(Cache):
     def prefill_open(self) -> bool:
         """The layers hold a provisional observation: the prompt may go on (module docstring)."""
         return any(
-            self.layers[i].state is LayerState.OBSERVED and not self.layers[i].prompt_complete
+            self.layers[i].state is LayerState.OBSERVED and not self.layers[i].prompt.complete
             for i in self.evicting_layers
         )
 
@@ -523,7 +513,7 @@ class ProbKVCache(Cache):
             of = f" of prompt_length={self.prompt_length}" if self.prompt_length else ""
             raise ValueError(f"the prompt cannot end after {self.get_seq_length()} tokens{of}")
         for layer in layers:
-            if layer.state is LayerState.OBSERVED and not layer.prompt_complete:
+            if layer.state is LayerState.OBSERVED and not layer.prompt.complete:
                 layer.end_prefill()
 
     def evict(self, policy: EvictionPolicy | None = None) -> None:
@@ -534,23 +524,16 @@ class ProbKVCache(Cache):
         ``layerwise`` policy selects layer by layer, exactly as it would have during prefill
         (same random draws); a global one sees every layer at once (S3 global scope).
         """
+        layers = [self.layers[i] for i in self.evicting_layers]
+        guards.check_can_evict({layer.layer_idx: layer.state.value for layer in layers})
         if policy is not None:
+            guards.check_policy_type(policy)
+            guards.check_observed(self.observing, policy)
             if self.decode_budget is not None:
                 self.decode_budget.check_policy(policy)
             self.policy = policy
-            for i in self.evicting_layers:
-                self.layers[i].policy = policy
-        layers = [self.layers[i] for i in self.evicting_layers]
-        missing = [layer.layer_idx for layer in layers if layer.state is not LayerState.OBSERVED]
-        if missing:
-            detail = (
-                " (they wait for the reconstruction pass, S10.1: use probkv.hf.compress or observe)"
-                if self.awaiting_reconstruction
-                else ""
-            )
-            raise ValueError(
-                f"cannot evict before prefill: layers {missing} have not been observed{detail}"
-            )
+            for layer in layers:
+                layer.use_policy(policy)
         evict_layers(self.policy, layers, num_layers=len(self.evicting_layers))
         self.num_evictions += 1
 
@@ -562,12 +545,25 @@ class ProbKVCache(Cache):
             if isinstance(layer, EvictingLayer):
                 if not layer.is_evicted:
                     raise ValueError("rewind() needs an evicted cache; compress the context first")
-                layer.tail_length = 0
+                layer.truncate_tail(0)
             else:
                 raise ValueError(
                     "rewind() is not available for models with sliding-window layers; "
                     "use copy.deepcopy(cache) before each question instead"
                 )
+
+    def before_generate(self, ids: torch.Tensor) -> bool:
+        """``model.generate`` is about to run on ``ids [1, n]`` (``probkv.hf.model``): refuse a
+        prompt that does not begin with the tokens this cache holds (``hf.guards``). Returns
+        whether the cache will know its ids afterwards (it knew them, or held nothing)."""
+        held = self.get_seq_length()
+        guards.check_generation_ids(ids, held, self.token_ids)
+        return held == 0 or self.token_ids is not None
+
+    def after_generate(self, sequences: torch.Tensor) -> None:
+        """``model.generate`` returned ``sequences [1, n]``: the cache holds their first ids."""
+        held = self.get_seq_length()
+        self.token_ids = sequences[:, :held] if sequences.shape[1] >= held else None
 
     def copy(self) -> ProbKVCache:
         return copy.deepcopy(self)

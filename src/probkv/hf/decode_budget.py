@@ -1,7 +1,7 @@
 """Holding a budget during generation: decode-time eviction in sequential stages (S10.5).
 
-``ProbKVCache(config, policy, max_entries=B, every=K)`` keeps at most ``B + K`` entries per KV
-head of every evicting layer for any number of generated tokens:
+``ProbKVCache(config, policy, max_entries=B, every=K)`` holds every KV head of every evicting
+layer to at most ``B + K`` entries for any number of generated tokens:
 
 - stage 1, the prompt: the policy evicts the prompt's ``t`` entries down to ``B`` (its
   ``ratio`` is replaced by ``1 - B / t``; a prompt of at most ``B`` tokens is kept whole);
@@ -17,10 +17,20 @@ the final kept set (S10.5, by the tower property); each stage draws with its own
 (``seed`` of the policy, the stage and the head), so the same seed gives the same kept sets. A
 top-k stage keeps weight 1 and drops the rest (S5's bias, once per stage).
 
-Refused by name: Ada-KV head budgets, PyramidKV / global layer budgets and the global scope
-(their budgets move between heads or layers, while a decode budget holds every head to
-``B``), and scores read from a reconstruction pass (KVzip, S10.1: a second model run over the
-context, which a decode step does not have).
+The bound, exactly: from the prompt's eviction on, no KV head holds more than ``B + K``
+entries at any step that brings one token (a forward of ``q`` tokens at once may hold
+``q - 1`` more during that forward), and no layer stores more than ``B + K`` entries per KV
+head (the dense tail, shared by the heads, grows to at most what the head holding most may
+reach), plus one float32 log-weight per kept entry. A top-k stage keeps ``B`` entries per
+head, a pps stage at most ``B + K - 1`` (its blocks hold at most ``K`` entries, S10.3, so it
+keeps up to ``block - 1`` more or fewer than ``B``).
+
+Refused by name, since they cannot hold it: Ada-KV head budgets, PyramidKV / global layer
+budgets and the global scope (their budgets move between heads or layers, while a decode
+budget holds every head to ``B``), scores read from a reconstruction pass (KVzip, S10.1: a
+second model run over the context, which a decode step does not have), spans (a random kept
+count, S10.3), the with-replacement sampler (``B`` distinct entries in expectation only, S3)
+and ``full`` (it keeps everything).
 """
 
 from __future__ import annotations
@@ -32,8 +42,9 @@ import torch
 
 from probkv import scores
 from probkv._checks import check_positive_int
-from probkv.decode_statistics import DecodeStatistics, decode_probabilities
-from probkv.policies.base import EvictionPolicy
+from probkv.decode_statistics import DecodeStatistics
+from probkv.policies.base import EvictionPolicy, LayerObservation
+from probkv.policies.registry import FullCache
 from probkv.selection import RaggedSelection
 
 # Seeds of decode stages: the policy's seed, then this many per stage and one per head.
@@ -44,7 +55,8 @@ _HEAD_SEED_STRIDE = 7_919
 @dataclass(frozen=True)
 class DecodeBudget:
     """``max_entries`` (``B``) kept per KV head and layer; re-evict every ``every`` (``K``)
-    new entries, so a head holds at most ``B + K`` of them (module docstring)."""
+    new entries, so a head holds at most ``B + K`` of them (module docstring: the exact
+    bound)."""
 
     max_entries: int
     every: int = 1
@@ -72,13 +84,18 @@ class DecodeBudget:
         if getattr(policy, "units", "blocks") != "blocks":
             # spans of unequal size keep a random count, with no bound of one block (S10.3)
             refused.append(f"units={policy.units!r} (its kept count has no bound)")
+        if getattr(policy, "sampler", None) == "with_replacement":
+            # S3: m draws keep B distinct entries in expectation only; up to m > B of them
+            refused.append("sampler='with_replacement' (it keeps B entries in expectation only)")
+        if isinstance(policy, FullCache):
+            refused.append("method 'full' (it keeps every entry)")
         if refused:
             raise ValueError(
                 f"a decode budget (max_entries) holds every KV head to {self.max_entries} "
                 f"entries; this policy has {', '.join(refused)}, which cannot be held at decode. "
                 "Use head_budgets='uniform', layer_budgets='uniform', scope='head' and a score "
                 "computed from the model's own rows (h2o, h2o-h, snapkv, tova, ...), with "
-                "units='blocks'"
+                "units='blocks' and sampler='pps'"
             )
 
     def prompt_policy(self, policy: EvictionPolicy, prompt_entries: int) -> EvictionPolicy:
@@ -95,9 +112,11 @@ class DecodeBudget:
 
 @dataclass
 class LayerDecodeState:
-    """One layer's decode-time eviction: its statistics, stage count and peaks."""
+    """One layer's decode-time eviction, owned by this module: its budget, statistics (from
+    the prompt's eviction on), stage count and peaks."""
 
-    statistics: DecodeStatistics
+    budget: DecodeBudget
+    statistics: DecodeStatistics | None = None
     stages: int = 1  # the prompt's eviction is stage 1
     peak_entries: int = 0  # per KV head, at the largest (before a stage evicts)
     peak_bytes: int = 0
@@ -107,18 +126,14 @@ def start_decode(layer, observation, selection: RaggedSelection) -> None:
     """Stage 1, called before ``layer`` (holding the whole prompt) applies ``selection``:
     statistics over the entries it keeps."""
     policy = layer.policy
-    norms = None
-    if policy.score == "min-h":  # its proposal holds ||v_i||; its column sums do not
-        norms = layer.tail_values[0].float().norm(dim=-1)
-    statistics = DecodeStatistics.from_prompt(
+    layer.decode_state.statistics = DecodeStatistics.from_prompt(
         policy.score,
         policy.score_params,
         prompt_log_scores=observation.log_scores,
         last_query_attention=observation.last_query_attention,
         kept=[selection.head(h)[0] for h in range(selection.num_heads)],
-        value_norms=norms,
+        values=layer.tail_values[0],  # min-h: value norms divided out (its score row)
     )
-    layer.decode_state = LayerDecodeState(statistics)
 
 
 def decode_rows_needed(layer) -> bool:
@@ -135,54 +150,23 @@ def stage_due(layer) -> bool:
 
 
 def after_decode_attention(
-    layer, query: torch.Tensor, scale: float, probabilities: torch.Tensor | None = None
-) -> None:
+    layer, query: torch.Tensor, probabilities: torch.Tensor | None = None
+) -> bool:
     """A decode forward attended over ``layer`` (EVICTED; ``query [Hq, q, d]``): add its rows
-    to the statistics, then evict down to the budget if a head holds ``B + K`` entries.
+    to the statistics. Returns whether a head now holds ``B + K`` entries: then the caller
+    runs one more stage through ``probkv.hf.eviction.evict_decode_stage``, the eviction path
+    the prompt's stage takes too.
 
     ``probabilities [Hkv, g, q, n]``: the ones the attention computed
-    (``probkv.hf.attention.evicted_attention_with_probabilities``), given whenever
-    ``decode_rows_needed``; without them, and if needed, they are recomputed from the entries
-    (``padded_entries``, ``decode_probabilities``: the slow reference)."""
+    (``probkv.hf.attention.evicted_attention_with_probabilities``), required whenever
+    ``decode_rows_needed``."""
     state: LayerDecodeState = layer.decode_state
     due = stage_due(layer)
-    if probabilities is None and (state.statistics.weighting is not None or due):
-        keys, log_weights, lengths = padded_entries(layer)
-        probabilities = decode_probabilities(query, keys, log_weights, lengths, scale)
+    if probabilities is None and due:
+        raise ValueError(f"layer {layer.layer_idx}: a stage needs this step's probabilities")
     state.statistics.observe(probabilities, query)
     record_peak(layer)
-    if due:
-        evict_to_budget(layer, scale)
-
-
-def padded_entries(layer):
-    """Every head's entries now (prefix, then tail) padded to the longest: keys ``[Hkv, n,
-    d]``, prefix log-weights ``[Hkv, n]`` (zero on the tail; ``None`` without weights) and
-    the heads' lengths. A uniform prefix needs no copy per head."""
-    prefix = layer.prefix
-    h = layer.num_heads
-    tail_k = layer.tail_keys[0]
-    t = tail_k.shape[1]
-    lengths = [n + t for n in prefix.lengths]
-    if prefix.uniform_length:
-        length = prefix.lengths[0]
-        keys = torch.cat([prefix.keys.view(h, length, tail_k.shape[2]), tail_k], dim=1)
-        log_weights = None
-        if prefix.log_weights is not None:
-            log_weights = torch.nn.functional.pad(prefix.log_weights.view(h, length), (0, t))
-        return keys, log_weights, lengths
-    n = max(lengths)
-    keys = tail_k.new_zeros(h, n, tail_k.shape[2])
-    log_weights = None
-    if prefix.log_weights is not None:
-        log_weights = torch.zeros(h, n, device=tail_k.device)
-    for i in range(h):
-        k, _, lw = prefix.head(i)
-        keys[i, : k.shape[0]] = k
-        keys[i, k.shape[0] : lengths[i]] = tail_k[i]
-        if lw is not None:
-            log_weights[i, : lw.shape[0]] = lw
-    return keys, log_weights, lengths
+    return due
 
 
 def record_peak(layer) -> None:
@@ -221,16 +205,27 @@ def _stage_groups(layer):
     return groups
 
 
-def evict_to_budget(layer, scale: float) -> None:
-    """One decode stage (S10.5): the policy evicts every head of ``layer`` to ``B`` entries,
-    on the statistics; heads of equal length are observed together (one selection), ragged
-    heads (a with-replacement stage keeps fewer than ``B``) one at a time."""
+@dataclass(frozen=True)
+class Stage:
+    """What one decode stage asks of the eviction path (``probkv.hf.eviction``): one
+    ``(policy, observation)`` per group of heads of equal length (each selects its heads),
+    the layer's latest attention ``[Hkv, n]`` over the entries it holds (padded) for the
+    report's retained mass, and the stage's target ratio ``1 - B / (tokens seen)``."""
+
+    groups: list[tuple[EvictionPolicy, LayerObservation]]
+    attention: torch.Tensor
+    target_ratio: float
+
+
+def next_stage(layer, scale: float) -> Stage:
+    """One decode stage (S10.5): the observations on which the policy evicts every head of
+    ``layer`` to ``B`` entries; heads of equal length are observed together (one selection),
+    ragged heads (a with-replacement stage keeps fewer than ``B``) one at a time."""
     state: LayerDecodeState = layer.decode_state
     budget: DecodeBudget = layer.decode_budget
     state.stages += 1
-    groups = _stage_groups(layer)
-    parts = []
-    for heads, keys, values in groups:
+    groups = []
+    for heads, keys, values in _stage_groups(layer):
         n = keys.shape[1]
         obs = state.statistics.observation(
             heads, keys, values, scale=scale, layer_idx=layer.layer_idx, rank=layer.rank
@@ -238,10 +233,15 @@ def evict_to_budget(layer, scale: float) -> None:
         policy = _stage_policy(
             layer.policy, budget, n, state.stages, heads[0] if len(heads) == 1 else 0
         )
-        parts.append(policy.select([obs], num_layers=layer.num_evicting)[0])
-    selection = parts[0] if len(parts) == 1 else _concat(parts)
-    layer.evict(selection)
-    state.statistics.keep([selection.head(h)[0] for h in range(selection.num_heads)])
+        groups.append((policy, obs))
+    seen = layer.get_seq_length()
+    attention = state.statistics.last_attention[:, : state.statistics.width]
+    return Stage(groups, attention, max(0.0, 1.0 - budget.max_entries / seen))
+
+
+def stage_done(layer, selection: RaggedSelection) -> None:
+    """After a decode stage evicted ``layer`` to ``selection``: the statistics follow."""
+    layer.decode_state.statistics.keep([selection.head(h)[0] for h in range(selection.num_heads)])
 
 
 def _stage_policy(policy, budget: DecodeBudget, n: int, stage: int, head: int):
@@ -250,21 +250,3 @@ def _stage_policy(policy, budget: DecodeBudget, n: int, stage: int, head: int):
     if hasattr(policy, "seed"):
         changes["seed"] = policy.seed + _STAGE_SEED_STRIDE * stage + _HEAD_SEED_STRIDE * head
     return dataclasses.replace(policy, **changes)
-
-
-def _concat(parts: list[RaggedSelection]) -> RaggedSelection:
-    """One selection of several heads' selections (heads in order)."""
-    weighted = any(p.log_weights is not None for p in parts)
-    log_weights = None
-    if weighted:
-        log_weights = torch.cat(
-            [
-                p.log_weights
-                if p.log_weights is not None
-                else torch.zeros(p.indices.numel(), device=p.indices.device)
-                for p in parts
-            ]
-        )
-    return RaggedSelection(
-        torch.cat([p.indices for p in parts]), torch.cat([p.lengths for p in parts]), log_weights
-    )

@@ -13,6 +13,15 @@
   :func:`check_layers_used`, :func:`check_same_layers`): named with both layer counts.
 - A batch (:func:`batch_message`): beam search and several returned sequences run copies of
   one prompt as a batch and are named as such.
+- ``model.generate`` on a prompt that does not begin with the ids the cache holds
+  (:func:`check_generation_ids`: ``probkv.hf.prepare_model`` makes ``generate`` call it
+  with the whole prompt, before transformers slices off what the cache holds).
+- A ``prompt_length`` that is not the prompt's (:func:`check_prompt_end`).
+- Construction and eviction that cannot be served, before any work: a policy that is not
+  an ``EvictionPolicy`` (:func:`check_policy_type`), ``every`` without ``max_entries`` or
+  not a positive int (:func:`decode_budget`), an eviction of layers not observed or
+  already evicted (:func:`check_can_evict`), and a policy whose score or parameters differ
+  from what the prefill observed (:func:`check_observed`).
 """
 
 from __future__ import annotations
@@ -21,6 +30,11 @@ from collections.abc import Sequence
 
 import torch
 from transformers.cache_utils import get_layer_types_and_kwargs
+
+from probkv._checks import check_positive_int
+from probkv.hf.decode_budget import DecodeBudget
+from probkv.policies.base import EvictionPolicy
+from probkv.scores import needs_reconstruction
 
 _REBUILD = "build the cache from the model's own config, ProbKVCache(model.config, policy)"
 
@@ -103,3 +117,152 @@ def check_no_decode_budget(budget, operation: str) -> None:
             f"(max_entries={budget.max_entries}): its stages already evicted and weighted the "
             "entries it would drop; keep a copy (cache.copy()) before generating instead"
         )
+
+
+_ONE_PROMPT = (
+    "A cache holds one prompt: build a new ProbKVCache for a new prompt, or use "
+    "probkv.hf.compress and probkv.hf.answer to answer several questions from one "
+    "compressed context"
+)
+
+
+def check_generation_ids(ids: torch.Tensor, held: int, known: torch.Tensor | None) -> None:
+    """Refuse a ``generate`` prompt ``ids [1, n]`` that cannot continue a cache holding
+    ``held`` tokens whose ids are ``known`` (``[1, held]``, or ``None``: only the count is
+    checked): no longer than what the cache holds, or differing inside it."""
+    if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.shape[0] != 1 or not held:
+        return  # batches are refused with their own message at the first update
+    n = ids.shape[1]
+    if n <= held:
+        raise ValueError(
+            f"this ProbKVCache holds {held} tokens, but generate was given a prompt of {n}: "
+            f"a prompt must begin with the {held} tokens the cache holds and add at least "
+            f"one. {_ONE_PROMPT}"
+        )
+    if known is None:
+        return
+    k = min(known.shape[1], n)
+    differ = (ids[0, :k] != known[0, :k].to(ids.device)).nonzero()
+    if differ.numel():
+        i = int(differ[0, 0])
+        raise ValueError(
+            f"this ProbKVCache holds {held} tokens, and the prompt given to generate differs "
+            f"from them at position {i} (the cache holds token id {int(known[0, i])} there, "
+            f"the prompt has {int(ids[0, i])}): it does not continue them. {_ONE_PROMPT}"
+        )
+
+
+def check_prompt_end(prompt_length: int | None, held: int, new_tokens: int) -> None:
+    """Refuse a single-token forward (a decode step) before the end of a ``prompt_length``
+    prompt, after a prefill: ``prompt_length`` is larger than the prompt. (A chunk that goes
+    past it is refused by ``probkv.observation.PrefillStatistics``.)"""
+    if prompt_length is None or held >= prompt_length:
+        return
+    if held and new_tokens == 1 and held + 1 < prompt_length:
+        raise ValueError(
+            f"prompt_length={prompt_length}, but after a prefill of {held} tokens a forward of "
+            "one token (a decode step) came before the prompt's end: the prompt has "
+            f"{held} tokens, not {prompt_length}. Pass prompt_length={held} (or leave it "
+            "out); a prompt read in chunks must end with prompt_length tokens"
+        )
+
+
+def check_policy_type(policy) -> None:
+    """A cache takes an ``EvictionPolicy``, not a method name or anything else."""
+    if not isinstance(policy, EvictionPolicy):
+        hint = (
+            f"probkv.policies.parse_method({policy!r}, ratio=...)"
+            if isinstance(policy, str)
+            else "probkv.policies.parse_method(name, ratio=...)"
+        )
+        raise ValueError(
+            f"policy must be an EvictionPolicy, got {type(policy).__name__} {policy!r}: build "
+            f"one with {hint}"
+        )
+
+
+def decode_budget(max_entries: int | None, every: int | None) -> DecodeBudget | None:
+    """The decode budget of ``max_entries=B``, ``every=K`` (``K`` 1 unless given); ``every``
+    without ``max_entries`` would be ignored, so it is refused."""
+    if max_entries is None:
+        if every is not None:
+            check_positive_int(every, "every")
+            raise ValueError(
+                f"every={every} applies only to a decode budget: pass max_entries=B too "
+                "(every=K re-evicts each KV head to B entries every K new ones), or leave "
+                "every out"
+            )
+        return None
+    return DecodeBudget(max_entries, 1 if every is None else every)
+
+
+def check_can_evict(states: dict[int, str]) -> None:
+    """``cache.evict``: every evicting layer (``{layer index: state}``) must hold its
+    observation; say why not otherwise."""
+
+    def named(*wanted: str) -> list[int]:
+        return [i for i, state in states.items() if state in wanted]
+
+    if not named("prefill", "awaiting_reconstruction", "reconstructing", "evicted"):
+        return
+    if named("evicted"):
+        raise ValueError(
+            f"layers {named('evicted')} were already evicted (by compress, by a layerwise "
+            "policy at the prompt's end, or by an earlier evict()): eviction drops the "
+            "prompt's observation, so another policy needs a fresh one. Observe once with "
+            "probkv.hf.observe(model, ids, score, score_params) and evict one copy per "
+            "policy (cache.copy().evict(policy))"
+        )
+    if named("awaiting_reconstruction", "reconstructing"):
+        raise ValueError(
+            f"cannot evict yet: layers {named('awaiting_reconstruction', 'reconstructing')} "
+            "wait for the reconstruction pass (S10.1): use probkv.hf.compress or observe"
+        )
+    raise ValueError(
+        f"cannot evict before prefill: layers {named('prefill')} have not been observed"
+    )
+
+
+def _comparable(params: dict) -> dict:
+    # chunk_size changes how column sums are computed (memory), not what they are
+    return {k: v for k, v in params.items() if k != "chunk_size"}
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.shape == b.shape
+            and torch.equal(a.cpu(), b.cpu())
+        )
+    return a == b
+
+
+def _describe(policy: EvictionPolicy) -> str:
+    params = {
+        k: "<tensor>" if isinstance(v, torch.Tensor) else v
+        for k, v in sorted(_comparable(policy.score_params).items())
+    }
+    return f"score {policy.score!r} with {params or 'no parameters'}"
+
+
+def check_observed(observed: EvictionPolicy, policy: EvictionPolicy) -> None:
+    """Refuse to evict with ``policy`` a cache whose prefill observed ``observed``'s score
+    unless they observe the same score with the same parameters (``chunk_size`` aside)."""
+    mine, theirs = _comparable(observed.score_params), _comparable(policy.score_params)
+    same = observed.score == policy.score and mine.keys() == theirs.keys()
+    if same and all(_same(mine[k], theirs[k]) for k in mine):
+        return
+    ran = (
+        "its reconstruction pass ran"
+        if needs_reconstruction(observed.score)
+        else ("no reconstruction pass ran")
+    )
+    needs = " and a reconstruction pass (S10.1)" if needs_reconstruction(policy.score) else ""
+    raise ValueError(
+        f"this cache observed {_describe(observed)} ({ran}); the policy needs "
+        f"{_describe(policy)}{needs}, which that observation cannot serve. Observe the "
+        "context with the policy's score and parameters: probkv.hf.observe(model, ids, "
+        "policy.score, policy.score_params)"
+    )

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import types
+
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from probkv.hf.attention import ATTN_IMPLEMENTATION, probkv_attention_forward, probkv_mask
+from probkv.hf.cache import ProbKVCache
 
 # model_type -> what probkv evicts. Gemma-3 keeps its sliding-window (local) layers as they are.
 SUPPORTED_MODEL_TYPES = {
@@ -57,13 +60,33 @@ def prepare_model(model):
     """Check ``model`` is supported and switch it to ``attn_implementation="probkv"``.
 
     With a plain cache (or none) the model then computes exactly what SDPA computes; with a
-    ``ProbKVCache`` its global-attention layers are evicted and corrected. Returns the model.
+    ``ProbKVCache`` its global-attention layers are evicted and corrected. ``model.generate``
+    then shows a ``ProbKVCache`` the whole prompt before transformers slices off what the
+    cache holds, so a prompt that does not continue it is refused by name, and the cache
+    records the ids it holds afterwards (``ProbKVCache.before_generate``). Returns the model.
     """
     check_model_supported(model)
     register_attention()
     if model.config._attn_implementation != ATTN_IMPLEMENTATION:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    if getattr(model.generate, "__func__", None) is not _checked_generate:
+        model.generate = types.MethodType(_checked_generate, model)
     return model
+
+
+def _checked_generate(self, *args, **kwargs):
+    """``generate`` of a prepared model (``prepare_model``): the class's own, with the cache's
+    checks of the prompt's ids before and its record of them after."""
+    cache = kwargs.get("cache")
+    ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+    tracks = isinstance(cache, ProbKVCache) and isinstance(ids, torch.Tensor)
+    tracks = tracks and cache.before_generate(ids)
+    out = type(self).generate(self, *args, **kwargs)
+    if tracks:
+        sequences = out if isinstance(out, torch.Tensor) else out.sequences
+        if sequences.ndim == 2 and sequences.shape[0] == 1:
+            cache.after_generate(sequences)
+    return out
 
 
 def is_prepared(model) -> bool:

@@ -28,9 +28,29 @@ How the cache knows the prompt ended:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from probkv.observation import PrefillStatistics, observe_layer
+from probkv.observation import LayerObservation, PrefillStatistics, observe_layer
+from probkv.policies.base import EvictionPolicy, validate_common
+
+
+@dataclass
+class PromptReading:
+    """An ``EvictingLayer``'s reading of its prompt, owned by this module and the layer.
+
+    ``length``: the prompt's length if known (``prompt_length``); ``chunks``: the statistics
+    of the chunks seen so far (a prompt read in several forwards); ``complete``: the
+    observation covers the whole prompt; ``observation``: held until eviction (a provisional
+    one is computed from ``chunks`` when first read); ``last_query_attention``: ``p_t`` kept
+    from the prefill of a reconstruction score until its pass has run (S10.1)."""
+
+    length: int | None = None
+    chunks: PrefillStatistics | None = None
+    complete: bool = False
+    observation: LayerObservation | None = None
+    last_query_attention: torch.Tensor | None = None
 
 
 def observe_prompt_chunk(
@@ -41,9 +61,10 @@ def observe_prompt_chunk(
     is unknown (module docstring). ``query [Hq, q, d]``: the chunk's rows; ``key``/``value
     [Hkv, t, d]``: every entry so far, the chunk's last."""
     t = key.shape[1]
-    final = layer.prompt_length is not None and t == layer.prompt_length
+    reading: PromptReading = layer.prompt
+    final = reading.length is not None and t == reading.length
     policy = layer.policy
-    if layer.prefill_stats is None and final:
+    if reading.chunks is None and final:
         # The whole prompt in one forward (the usual case): observed in one pass.
         out, observation = observe_layer(
             query,
@@ -57,17 +78,36 @@ def observe_prompt_chunk(
         )
         layer.observed(observation)
         return out
-    if layer.prefill_stats is None:
-        layer.prefill_stats = PrefillStatistics(
-            policy.score, policy.score_params, scale, prompt_length=layer.prompt_length
+    if reading.chunks is None:
+        reading.chunks = PrefillStatistics(
+            policy.score, policy.score_params, scale, prompt_length=reading.length
         )
-    out = layer.prefill_stats.add_chunk(query, key, value)
+    out = reading.chunks.add_chunk(query, key, value)
     if final:
-        observation = layer.prefill_stats.observe(
+        observation = reading.chunks.observe(
             key, value, query=query, layer_idx=layer.layer_idx, rank=layer.rank
         )
         layer.observed(observation)
-    elif layer.prompt_length is None:
+    elif reading.length is None:
         # Provisional (the prompt may go on): computed from the statistics only if read.
         layer.observed(None, final=False)
     return out
+
+
+@dataclass(frozen=True)
+class ObserveOnly(EvictionPolicy):
+    """Observes ``score`` during prefill and defers eviction to ``ProbKVCache.evict(policy)``:
+    one prefill, then a copy of the observed cache per method (see ``probkv.hf.observe``)."""
+
+    def __post_init__(self) -> None:
+        validate_common(self)
+
+    @property
+    def layerwise(self) -> bool:
+        return False
+
+    def select(self, observations, *, num_layers):
+        raise ValueError(
+            "this cache was only observed (probkv.hf.observe): call cache.evict(policy) with "
+            "a policy that observes the same score before generating"
+        )

@@ -23,6 +23,7 @@ class RaggedPrefix:
     values: torch.Tensor  # [N, d_v]
     log_weights: torch.Tensor | None  # [N] float32, None = no correction
     lengths: list[int]  # per KV head
+    covers: int = 0  # logical entries (tokens seen) at the eviction that made it
     offsets: list[int] = field(init=False)
     head_index: torch.Tensor = field(init=False)  # [N] int64: the KV head of each entry
 
@@ -49,3 +50,69 @@ class RaggedPrefix:
         if self.log_weights is not None:
             tensors.append(self.log_weights)
         return sum(t.numel() * t.element_size() for t in tensors)
+
+
+# Tail buffers grow by this many slots at least (amortised O(1) appends during decoding,
+# instead of transformers' copy of the whole cache at every step).
+TAIL_GROWTH = 16
+
+
+class DenseTail:
+    """The tokens an ``EvictingLayer`` stores densely: the whole prompt before eviction, the
+    tokens added since after it. ``[1, Hkv, capacity, d]`` buffers, of which the first
+    ``length`` slots are used; appends grow them geometrically (``append``)."""
+
+    def __init__(self) -> None:
+        self._keys: torch.Tensor | None = None
+        self._values: torch.Tensor | None = None
+        self.length = 0
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self._keys[:, :, : self.length]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self._values[:, :, : self.length]
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._keys is None else self._keys.shape[2]
+
+    def append(self, key: torch.Tensor, value: torch.Tensor, limit=None) -> None:
+        """Store ``key``/``value [1, Hkv, n, d]`` after the used slots. A full buffer grows to
+        exactly what is needed when empty, else by ``max(TAIL_GROWTH, capacity / 8)``;
+        ``limit(need, planned) -> capacity`` may change that (the caller's bound)."""
+        need = self.length + key.shape[2]
+        if need > self.capacity:
+            planned = need if self.length == 0 else need + max(TAIL_GROWTH, self.capacity // 8)
+            capacity = planned if limit is None else limit(need, planned)
+            self._keys = self._grow(self._keys, key, capacity)
+            self._values = self._grow(self._values, value, capacity)
+        self._keys[:, :, self.length : need] = key
+        self._values[:, :, self.length : need] = value
+        self.length = need
+
+    def _grow(self, old: torch.Tensor | None, like: torch.Tensor, capacity: int) -> torch.Tensor:
+        new = like.new_empty((1, like.shape[1], capacity, like.shape[3]))
+        if old is not None and self.length:
+            new[:, :, : self.length] = old[:, :, : self.length]
+        return new
+
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` tokens (``0 <= length <= self.length``)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"a tail of {self.length} tokens cannot keep {length}")
+        self.length = length
+
+    def clear(self) -> None:
+        """Drop every token and free the buffers (the next append allocates a small one)."""
+        self._keys = self._keys[:, :, :0].clone()
+        self._values = self._values[:, :, :0].clone()
+        self.length = 0
+
+    def nbytes(self) -> int:
+        """Bytes allocated (capacity, not just length)."""
+        return sum(
+            t.numel() * t.element_size() for t in (self._keys, self._values) if t is not None
+        )

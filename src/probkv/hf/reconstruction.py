@@ -242,13 +242,13 @@ def _run_chunk(model, cache, layers, scorings, input_ids, device) -> None:
     others = [layer for layer in cache.layers if not isinstance(layer, EvictingLayer)]
     saved = [dict(layer.__dict__) for layer in others]  # transformers' layers store the chunk
     for layer, scoring in zip(layers, scorings):
-        layer.scoring, layer.state = scoring, LayerState.RECONSTRUCTING
+        layer.start_scoring(scoring)
     try:
         ids = torch.tensor([input_ids], dtype=torch.long, device=device)
         model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
     finally:
         for layer in layers:
-            layer.scoring, layer.state = None, LayerState.AWAITING_RECONSTRUCTION
+            layer.stop_scoring()
         for layer, state in zip(others, saved):
             layer.__dict__.clear()
             layer.__dict__.update(state)

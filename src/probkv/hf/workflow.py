@@ -18,8 +18,13 @@ from probkv.hf.reconstruction import RepeatPrompt, reconstruct
 from probkv.policies.base import EvictionPolicy
 
 
-def as_token_ids(ids: torch.Tensor) -> torch.Tensor:
-    """``[1, t]`` token ids from ``[t]`` or ``[1, t]`` (batch size 1, ``t >= 1``)."""
+def as_token_ids(ids: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
+    """``[1, t]`` token ids from ``[t]`` or ``[1, t]`` (batch size 1, ``t >= 1``): integers,
+    each in ``[0, vocab_size)`` when ``vocab_size`` is given (checked before any forward)."""
+    if not isinstance(ids, torch.Tensor):
+        raise ValueError(f"token ids must be a torch.Tensor of integers, got {type(ids).__name__}")
+    if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+        raise ValueError(f"token ids must be integers, got dtype {ids.dtype}")
     if ids.ndim == 1:
         ids = ids.unsqueeze(0)
     if ids.ndim != 2 or ids.shape[0] != 1:
@@ -28,7 +33,21 @@ def as_token_ids(ids: torch.Tensor) -> torch.Tensor:
         )
     if ids.shape[1] == 0:
         raise ValueError("expected at least one token")
+    if vocab_size is not None:
+        bad = ((ids < 0) | (ids >= vocab_size)).nonzero()
+        if bad.numel():
+            i = int(bad[0, 1])
+            raise ValueError(
+                f"token id {int(ids[0, i])} at position {i} is outside the model's vocabulary: "
+                f"ids must be in [0, {vocab_size}) (vocab_size={vocab_size})"
+            )
     return ids
+
+
+def _token_ids(model, ids: torch.Tensor) -> torch.Tensor:
+    """``as_token_ids`` against ``model``'s vocabulary, on its device."""
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    return as_token_ids(ids, vocab).to(model.device)
 
 
 def _check_prepared(model) -> None:
@@ -47,7 +66,7 @@ def compress(
     *,
     repeat_prompt: RepeatPrompt | None = None,
     max_entries: int | None = None,
-    every: int = 1,
+    every: int | None = None,
 ) -> ProbKVCache:
     """Prefill ``context_ids`` into a new ``ProbKVCache`` and evict with ``policy``.
 
@@ -59,7 +78,7 @@ def compress(
     (``ProbKVCache``, ``probkv.hf.decode_budget``); the context is evicted to it.
     """
     _check_prepared(model)
-    ids = as_token_ids(context_ids).to(model.device)
+    ids = _token_ids(model, context_ids)
     # prompt_length: the prompt ends with this forward (probkv.hf.prefill), so layerwise
     # policies evict each layer during it.
     cache = ProbKVCache(
@@ -89,7 +108,7 @@ def observe(
     for all of them. Each copy evicts exactly as ``compress`` with that policy would
     (reconstruction scores run their pass here, with ``repeat_prompt``, S10.1)."""
     _check_prepared(model)
-    ids = as_token_ids(context_ids).to(model.device)
+    ids = _token_ids(model, context_ids)
     cache = ProbKVCache(
         model.config,
         ObserveOnly(score=score, ratio=0.0, score_params=dict(score_params or {})),
@@ -119,7 +138,7 @@ def generate(
                 f"probkv caches hold one sequence: {what} ({option}="
                 f"{generate_kwargs[option]}) is not supported; use {option}=1"
             )
-    new = as_token_ids(input_ids).to(model.device)
+    new = _token_ids(model, input_ids)
     prefix = cache.token_ids
     if prefix is None or prefix.shape[1] != cache.get_seq_length():
         known = "none" if prefix is None else f"only the first {prefix.shape[1]}"
@@ -147,16 +166,19 @@ def answer(
     """Answer one question from the compressed context, leaving ``compressed`` unchanged, so
     every question starts from the same compressed state and never sees another question."""
     only_evicting = all(isinstance(layer, EvictingLayer) for layer in compressed.layers)
-    if only_evicting:
+    if only_evicting and compressed.decode_budget is None:
+        # (a decode budget's stages evict the prefix too: such a cache is copied, below)
         # Back to the compressed state even when generate fails part-way through a forward
         # (then layers hold different numbers of new tokens: restore each layer's own).
         tails = [layer.tail_length for layer in compressed.layers]
+        token_ids = compressed.token_ids
         try:
             return generate(model, compressed, question_ids, max_new_tokens=max_new_tokens, **kw)
         finally:
+            compressed.token_ids = token_ids
             for layer, tail_length in zip(compressed.layers, tails):
-                layer.tail_length = tail_length
+                layer.truncate_tail(tail_length)
                 layer.attention_done()  # a failed forward may have left an update pending
-    working = copy.deepcopy(compressed)  # sliding-window layers cannot be rewound
+    working = copy.deepcopy(compressed)  # sliding-window layers, decode stages: no rewind
     working.token_ids = compressed.token_ids
     return generate(model, working, question_ids, max_new_tokens=max_new_tokens, **kw)
