@@ -160,22 +160,6 @@ def test_scores_equal_the_dense_attention_of_the_appended_chunks(tiny, chunk_tok
             torch.testing.assert_close(got, want, rtol=2e-4, atol=1e-7)
 
 
-def test_one_pass_gives_every_reconstruction_score(tiny):
-    """S10.1: the observation of one reconstruction score carries the others' log-scores
-    (a pps tail's proposal, S10.2), equal to what their own pass observes."""
-    model = tiny
-    ids = context_ids(model, 33)
-    names = ("kvzip", "h2o-rec", "min-rec")
-    caches = {n: observe(model, ids, n, {"chunk_tokens": 12}, repeat_prompt=PROMPT) for n in names}
-    for name, cache in caches.items():
-        for i in cache.evicting_layers:
-            obs = cache.layers[i].observation
-            assert set(obs.related_log_scores) == set(names) - {name}
-            for other, log_scores in obs.related_log_scores.items():
-                own = caches[other].layers[i].observation.log_scores
-                torch.testing.assert_close(log_scores, own, rtol=0, atol=0)
-
-
 @pytest.mark.parametrize(
     "method",
     [

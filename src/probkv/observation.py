@@ -38,9 +38,6 @@ class LayerObservation:
     log_scores: torch.Tensor  # [Hkv, t] float32 (probkv.scores)
     forced: torch.Tensor | None  # [Hkv, t] bool: always kept, counted in the budget (SnapKV window)
     last_query_attention: torch.Tensor  # [Hkv, t] group-averaged p_t, for diagnostics (S6)
-    # The other scores the same statistics give, by name (the reconstruction scores of one
-    # pass, S10.1): a pps policy's ``tail`` draws its sampled stratum from one of them (S10.2).
-    related_log_scores: dict[str, torch.Tensor] = field(default_factory=dict)
     # A sample of plausible future queries (the reconstruction rows, S10.1) and the logit
     # scale, for calibrated weights (S9, probkv.calibration); None when not observed.
     reference_queries: torch.Tensor | None = None  # [Hq, m, d] post-RoPE

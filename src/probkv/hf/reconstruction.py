@@ -161,9 +161,7 @@ def reconstruct(
     model, cache, context_ids: torch.Tensor, prompt: RepeatPrompt | None = None
 ) -> None:
     """Run the reconstruction pass over the prefilled ``cache`` (``context_ids [1, t]``, the
-    tokens it holds) and give every evicting layer its observation of the cache's score, with
-    the other reconstruction scores of the same statistics in ``related_log_scores`` (a pps
-    ``tail``, S10.2; they are held until eviction, one ``[Hkv, t]`` tensor each).
+    tokens it holds) and give every evicting layer its observation of the cache's score.
 
     ``prompt``: from ``repeat_prompt(tokenizer)``. ``None`` feeds the context again with no
     instruction (``RepeatPrompt()``) and warns: KVzip's prompt needs the tokenizer.
@@ -204,21 +202,16 @@ def reconstruct(
     for chunk in chunks:
         _run_chunk(model, cache, layers, scorings, chunk.input_ids, context_ids.device)
     for layer, scoring in zip(layers, scorings):
-        # every reconstruction score comes from the same statistics (S10.1): the policy's
-        # score, and the others for a pps tail (S10.2), each with its own defaults
-        computed = {
-            name: score_fns.compute_scores(
-                name,
-                None,
-                layer.tail_keys[0],
-                layer.tail_values[0],
-                scale=scoring.scale,
-                reconstruction=scoring.stats,
-                **{k: v for k, v in params.items() if k in score_fns.score_param_names(name)},
-            )
-            for name in score_fns.RECONSTRUCTION_SCORES
-        }
-        scores = computed[cache.policy.score]
+        name = cache.policy.score
+        scores = score_fns.compute_scores(
+            name,
+            None,
+            layer.tail_keys[0],
+            layer.tail_values[0],
+            scale=scoring.scale,
+            reconstruction=scoring.stats,
+            **{k: v for k, v in params.items() if k in score_fns.score_param_names(name)},
+        )
         layer.observed(
             LayerObservation(
                 layer_idx=layer.layer_idx,
@@ -226,11 +219,6 @@ def reconstruct(
                 log_scores=scores.log_scores,
                 forced=scores.forced,
                 last_query_attention=layer.last_query_attention,
-                related_log_scores={
-                    name: other.log_scores
-                    for name, other in computed.items()
-                    if name != cache.policy.score
-                },
                 reference_queries=scoring.stats.reference_queries,
                 scale=scoring.scale,
             )
