@@ -445,7 +445,7 @@ class ProbKVCache(Cache):
         self.num_evictions = 0
         self.prompt_length = prompt_length
         self.decode_budget = budget
-        self.layer_types = list(layer_types)  # of the config it was built for (issue 11)
+        self.layer_types = list(layer_types)  # of the config it was built for (checked)
         # ``[1, t]`` the token ids the cache holds, set by ``probkv.hf.compress`` / ``observe``
         # and by ``model.generate`` (``probkv.hf.model``), so that generation continues with
         # true positions and a different prompt is refused; ``None`` while unknown.
@@ -453,7 +453,7 @@ class ProbKVCache(Cache):
 
     # ---------------------------------------------------------------- protocol
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        guards.check_layer_index(layer_idx, len(self.layers))  # issue 11: another model's
+        guards.check_layer_index(layer_idx, len(self.layers))  # another model's layers: refused
         if layer_idx == 0:  # a new forward starts at layer 0
             self._start_forward(key_states.shape[-2], kwargs.get("kwargs"))
         if layer_idx == 0 and self.awaiting_reconstruction:

@@ -1,4 +1,4 @@
-"""What a ``ProbKVCache`` refuses, and how it says so (issue 11: no silently wrong answer).
+"""What a ``ProbKVCache`` refuses, and how it says so (never a silently wrong answer).
 
 - Input that does not continue the tokens the cache holds (:func:`check_continues`). In
   transformers 5.24 a forward reaches the cache with its ``position_ids`` in the attention

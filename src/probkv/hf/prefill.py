@@ -1,4 +1,4 @@
-"""Where a prompt ends: one forward or several (chunked prefill, issue 11; S2).
+"""Where a prompt ends: one forward or several (chunked prefill; S2).
 
 ``generate(..., prefill_chunk_size=N)`` and forward loops may read a long prompt in several
 forwards, so that the prefill's peak memory is one chunk's attention. Eviction must still see

@@ -129,7 +129,7 @@ def generate(
     greedy by default. Returns the generated token ids only, ``[n]``. The cache grows by the
     new tokens (see ``answer`` for several questions from one context)."""
     _check_prepared(model)
-    # issue 11: a cache of another model, or beam search, refused by name before any work
+    # a cache of another model, or beam search, refused by name before any work is done
     guards.check_same_layers(cache.layer_types, model.config)
     for option in ("num_beams", "num_return_sequences"):
         if generate_kwargs.get(option, 1) != 1:
