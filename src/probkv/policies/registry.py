@@ -87,8 +87,8 @@ def top_k_versions(method: str) -> list[str]:
     measured against (a ``prob:`` default must tie or win within noise): the canonical name
     of ``topk:<score>``, that name as written, and the named method of the score when it is
     another top-k of it (``prob:kvzip/core=0.75`` -> ``topk:kvzip``, ``kvzip``, whose budget
-    is global as ``prob:kvzip``'s; ``prob:h2o`` -> ``h2o``, ``topk:h2o``). Empty for other methods; an
-    unknown name is a ``ValueError`` as in :func:`parse_method`."""
+    is global as ``prob:kvzip``'s; ``prob:h2o`` -> ``h2o``, ``topk:h2o``). Empty for other
+    methods; an unknown name is a ``ValueError`` as in :func:`parse_method`."""
     policy = parse_method(method)
     if not isinstance(policy, ProbabilisticPolicy):
         return []
