@@ -53,7 +53,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--methods",
         type=comma_list,
-        default=["streaming_llm", "h2o", "tova", "snapkv", "prob:h2o-h"],
+        default=["streaming_llm", "h2o", "tova", "snapkv", "prob:h2o-h", "prob:min-h"],
         help="comma-separated method names (full is always run)",
     )
     parser.add_argument("--seeds", type=positive_int, default=1, help="seeds per sampled method")
