@@ -35,6 +35,7 @@ NAMED = [
     "ada_pyramidkv",
     "kvzip",
     "ada_kvzip",
+    "kvzap",
 ]
 
 
@@ -90,6 +91,7 @@ def test_default_score_params_are_the_score_functions_defaults_except_snapkv_gqa
         "kvzip": scores.kvzip,
         "h2o-rec": scores.h2o_reconstruction,
         "min-rec": scores.min_reconstruction,
+        "kvzap": scores.kvzap,
     }
     for name, params in DEFAULT_SCORE_PARAMS.items():
         signature = inspect.signature(functions[name]).parameters
@@ -366,7 +368,8 @@ def test_prob_kvzip_budget_is_global_by_default():
     for name in ("prob:kvzip", "prob:kvzip/scope=head", "prob:h2o/scope=global"):
         assert method_name(parse_method(name, 0.5)) == name
     global_scores = [s for s in SCORE_NAMES if scores.budget_scope(s) == "global"]
-    assert global_scores == ["kvzip", "h2o-rec", "min-rec"]  # the reconstruction scores
+    # the reconstruction scores and kvzip's surrogate (S11)
+    assert global_scores == ["kvzip", "h2o-rec", "min-rec", "kvzap"]
 
 
 def test_prob_core_defaults_follow_the_score_and_the_sampler():
@@ -386,6 +389,7 @@ def test_prob_core_defaults_follow_the_score_and_the_sampler():
         "kvzip": 0.5,
         "h2o-rec": 0.5,
         "min-rec": 0.5,
+        "kvzap": 0.5,
     }
     assert {s: scores.prob_core(s) for s in SCORE_NAMES} == measured
     for score, core in measured.items():
@@ -466,9 +470,10 @@ def test_prob_block_defaults_follow_the_score_and_the_sampler():
     (docs/evaluation.md, "Spans for `prob:kvzip`"); the with-replacement sampler has single
     entries; the canonical name drops the score's own defaults and keeps any other design."""
     blocks = {s: scores.prob_block(s) for s in SCORE_NAMES}
-    assert blocks == {s: (32 if s == "kvzip" else scores.DEFAULT_PROB_BLOCK) for s in SCORE_NAMES}
+    spans = ("kvzip", "kvzap")  # kvzap mirrors kvzip, whose scale it predicts (S11)
+    assert blocks == {s: (32 if s in spans else scores.DEFAULT_PROB_BLOCK) for s in SCORE_NAMES}
     units = {s: scores.prob_units(s) for s in SCORE_NAMES}
-    assert units == {s: ("spans" if s == "kvzip" else "blocks") for s in SCORE_NAMES}
+    assert units == {s: ("spans" if s in spans else "blocks") for s in SCORE_NAMES}
     assert scores.DEFAULT_PROB_BLOCK == 8
     kvzip = parse_method("prob:kvzip")
     assert (kvzip.block, kvzip.units) == (32, "spans")

@@ -27,6 +27,7 @@ torch file of tensors with a JSON header and a content digest.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -45,6 +46,8 @@ ATTENTION_FEATURE_KINDS: tuple[str, ...] = ("kv",)
 # Bumped when the features, targets or fit change: a file of another version is refused.
 RECIPE_VERSION = 1
 FILE_FORMAT = "probkv-surrogate"
+# Where the package ships the scorers of its registry models: ``<model name>.pt``.
+SCORER_DIR = Path(__file__).resolve().parent / "scorers"
 # The lowest log-score a prediction may take: the floor of the teacher's own scores (S2).
 MIN_LOG_SCORE = math.log(FLOOR)
 
@@ -435,3 +438,14 @@ def load_scorer(path: str | Path) -> SurrogateScorer:
     return SurrogateScorer(
         header["features"], layers, header["model"], header["recipe"], header["metrics"]
     )
+
+
+@functools.cache
+def shipped_scorers() -> tuple[SurrogateScorer, ...]:
+    """Every scorer file shipped in the package (``SCORER_DIR``), read once."""
+    return tuple(load_scorer(p) for p in sorted(SCORER_DIR.glob("*.pt")))
+
+
+def scorer_names() -> tuple[str, ...]:
+    """The registry models a scorer is shipped for (the files' names, none read)."""
+    return tuple(p.stem for p in sorted(SCORER_DIR.glob("*.pt")))

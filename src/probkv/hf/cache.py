@@ -46,6 +46,7 @@ from probkv.hf.decode_budget import DecodeBudget
 from probkv.hf.eviction import evict_layers
 from probkv.hf.prefix import RaggedPrefix
 from probkv.hf.report import LayerReport
+from probkv.hf.surrogate import with_scorer
 from probkv.observation import PrefillStatistics
 from probkv.policies.base import (
     EvictionPolicy,
@@ -427,6 +428,7 @@ class ProbKVCache(Cache):
     ) -> None:
         if prompt_length is not None:
             check_positive_int(prompt_length, "prompt_length")
+        policy = with_scorer(policy, config)  # kvzap: the model's scorer (S11)
         budget = None if max_entries is None else DecodeBudget(max_entries, every)
         if budget is not None:
             budget.check_policy(policy)
@@ -450,6 +452,7 @@ class ProbKVCache(Cache):
                 "this model has no global-attention layer to evict (every layer uses a sliding window)"
             )
         super().__init__(layers=layers)
+        self.model_config = config  # a later evict(policy) finds kvzap's scorer with it
         self.policy = policy
         self.evicting_layers = [
             i for i, layer in enumerate(layers) if isinstance(layer, EvictingLayer)
@@ -535,6 +538,7 @@ class ProbKVCache(Cache):
         (same random draws); a global one sees every layer at once (S3 global scope).
         """
         if policy is not None:
+            policy = with_scorer(policy, self.model_config)
             if self.decode_budget is not None:
                 self.decode_budget.check_policy(policy)
             self.policy = policy
