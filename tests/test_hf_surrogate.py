@@ -98,3 +98,22 @@ def test_kvzap_scores_generated_tokens_under_a_decode_budget(model, monkeypatch)
     for method in ("kvzap", "prob:kvzap"):
         with pytest.raises(ValueError, match="cannot be held at decode"):
             ProbKVCache(model.config, parse_method(method), max_entries=budget)
+
+
+@pytest.mark.slow
+def test_shipped_smollm2_scorer_matches_its_model_and_refuses_gemma():
+    """The package ships the SmolLM2 scorer (pyproject package-data); it is found for
+    SmolLM2's config and refused by name for Gemma-3, which has none."""
+    from transformers import AutoConfig
+
+    from probkv.models import resolve_model
+
+    assert "smollm2-135m" in sg.scorer_names()
+    smol = AutoConfig.from_pretrained(resolve_model("smollm2-135m").path)
+    scorer = hs.scorer_for_config(smol)
+    assert scorer.name == "smollm2-135m" and scorer.recipe["teacher"] == "kvzip"
+    assert sorted(scorer.layers) == list(range(smol.num_hidden_layers))
+    assert scorer.metrics["kept_overlap"]["0.5"] > 0.7  # measured held out at training
+    gemma = AutoConfig.from_pretrained(resolve_model("gemma3-270m").path)
+    with pytest.raises(ValueError, match=r"no scorer for model .*smollm2-135m"):
+        hs.scorer_for_config(gemma)
