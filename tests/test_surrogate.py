@@ -208,8 +208,15 @@ def test_kvzap_score_is_the_clamped_prediction_with_forced_sinks():
     g = torch.Generator().manual_seed(9)
     key, value = torch.randn(2, 10, 4, generator=g), torch.randn(2, 10, 4, generator=g)
     out = sg.kvzap(key, value, layer_idx=3, surrogate=scorer, sinks=2)
+    # the fast path (standardisation folded into the weights, no feature matrix) against the
+    # plain one: features, then the fit's predict
     expected = scorer.layers[3].predict(sg.kv_features(key, value)).T.clamp(sg.MIN_LOG_SCORE, 0)
-    torch.testing.assert_close(out.log_scores[:, 2:], expected[:, 2:])
+    torch.testing.assert_close(out.log_scores[:, 2:], expected[:, 2:], atol=1e-5, rtol=1e-5)
+    bf16 = sg.kvzap(key.bfloat16(), value.bfloat16(), layer_idx=3, surrogate=scorer, sinks=0)
+    ref = scorer.layers[3].predict(sg.kv_features(key.bfloat16(), value.bfloat16())).T
+    torch.testing.assert_close(
+        bf16.log_scores, ref.clamp(sg.MIN_LOG_SCORE, 0), atol=1e-5, rtol=1e-5
+    )
     assert (out.log_scores[:, :2] == FORCED_LOG_SCORE).all()
     assert out.forced[:, :2].all() and not out.forced[:, 2:].any()
     assert out.log_scores.dtype == torch.float32 and torch.isfinite(out.log_scores).all()

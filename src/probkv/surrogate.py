@@ -325,13 +325,36 @@ class SurrogateScorer:
                 f"the kvzap scorer {self.name!r} has no layer {layer_idx} (it has "
                 f"{sorted(self.layers)})"
             )
-        out = self.layers[layer_idx].predict(kv_features(key, value))  # [t, Hkv]
+        out = _predict_kv(self.layers[layer_idx], key, value)  # [t, Hkv]
         if out.shape[1] != key.shape[0]:
             raise ValueError(
                 f"the kvzap scorer {self.name!r} predicts {out.shape[1]} KV heads; the layer "
                 f"has {key.shape[0]} (kvzap scores every KV head of a layer together)"
             )
         return out.T.clamp(MIN_LOG_SCORE, 0.0).contiguous()
+
+
+def _predict_kv(fit: LinearSurrogate, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``fit.predict(kv_features(key, value))`` without building the features: the
+    standardisation folded into the weights (``W / scale``, ``b - mean (W / scale)``), then
+    one batched product per kind of feature, summed over heads. ``[t, o]`` float32."""
+    if key.ndim != 3 or value.ndim != 3 or key.shape[:2] != value.shape[:2]:
+        raise ValueError(
+            f"key and value must be [Hkv, t, d] of equal Hkv and t, got {tuple(key.shape)} "
+            f"and {tuple(value.shape)}"
+        )
+    hkv, t, d = key.shape
+    dv = value.shape[-1]
+    per = dv + d // 2
+    f, o = fit.weight.shape
+    if f != hkv * per:
+        raise ValueError(f"features must be [n, {f}] for this surrogate, got [{t}, {hkv * per}]")
+    w = (fit.weight / fit.scale.unsqueeze(1)).to(key.device)
+    b = fit.bias.to(key.device) - fit.mean.to(key.device) @ w
+    w = w.view(hkv, per, o)
+    out = torch.bmm(value.to(torch.float32), w[:, :dv]).sum(0)
+    out += torch.bmm(key_pair_norms(key), w[:, dv:]).sum(0)
+    return out.add_(b)
 
 
 def check_scorer(value: object, name: str) -> SurrogateScorer:

@@ -56,6 +56,12 @@ def model_label(config) -> str:
     return str(getattr(config, "_name_or_path", "") or config.model_type)
 
 
+def has_scorer(config) -> bool:
+    """Whether a scorer is shipped for this model."""
+    digest = config_digest(model_shapes(config))
+    return any(s.model["digest"] == digest for s in shipped_scorers())
+
+
 def scorer_for_config(config) -> SurrogateScorer:
     """The shipped scorer trained for this model (matched by its identity digest), else a
     ``ValueError`` naming the model and the models that have one."""
