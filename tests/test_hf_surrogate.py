@@ -1,6 +1,6 @@
 """The kvzap scorer in the integration (probkv.hf.surrogate, S11) on tiny models: the model's
 identity, the shipped-scorer lookup (refused by name without one), kvzap by name in
-``compress``, and kvzap under a decode budget (it scores the generated tokens too)."""
+``compress``, and its refusal under a decode budget."""
 
 from __future__ import annotations
 
@@ -73,31 +73,16 @@ def test_an_explicit_scorer_of_another_model_is_refused_by_name(model):
         compress(model, _ids(30), policy)
 
 
-def test_kvzap_scores_generated_tokens_under_a_decode_budget(model, monkeypatch):
-    """S10.5: the per-head top-k and pps forms of kvzap hold B + K entries per head while
-    decoding; every stage scores the held entries, generated ones included, from their keys
-    and values. The global forms are refused by name, as for every score."""
+def test_kvzap_is_refused_by_name_under_a_decode_budget(model, monkeypatch):
+    """S10.5, S11: after a stage the heads hold different positions, and the scorer reads every
+    head's features at one position, so a decode budget refuses kvzap in every form."""
     monkeypatch.setattr(hs, "shipped_scorers", lambda: (_scorer_for(model),))
-    budget, every, prompt = 12, 4, 30
-    for method in ("topk:kvzap", "prob:kvzap/scope=head/units=blocks/block=4"):
-        cache = ProbKVCache(
-            model.config,
-            parse_method(method),
-            prompt_length=prompt,
-            max_entries=budget,
-            every=every,
-        )
-        ids = _ids(prompt + 30)
-        with torch.no_grad():
-            model(input_ids=ids[:, :prompt], cache=cache, use_cache=True)
-            for i in range(prompt, ids.shape[1]):
-                model(input_ids=ids[:, i : i + 1], cache=cache, use_cache=True)
-        for i in cache.evicting_layers:
-            state = cache.layers[i].decode_state
-            assert state.stages >= 2 and state.peak_entries <= budget + every
-    for method in ("kvzap", "prob:kvzap"):
-        with pytest.raises(ValueError, match="cannot be held at decode"):
-            ProbKVCache(model.config, parse_method(method), max_entries=budget)
+    for method in ("kvzap", "prob:kvzap", "topk:kvzap", "prob:kvzap/scope=head/units=blocks"):
+        with pytest.raises(ValueError, match="'kvzap' under a decode budget"):
+            ProbKVCache(model.config, parse_method(method), max_entries=12)
+    cache = ProbKVCache(model.config, parse_method("tova"), prompt_length=20, max_entries=12)
+    with pytest.raises(ValueError, match="'kvzap' under a decode budget"):
+        cache.evict(parse_method("topk:kvzap"))
 
 
 @pytest.mark.slow
