@@ -428,8 +428,7 @@ class ProbKVCache(Cache):
     ) -> None:
         if prompt_length is not None:
             check_positive_int(prompt_length, "prompt_length")
-        # kvzap: the model's scorer (S11)
-        policy = with_scorer(policy, config, decode_budget=max_entries is not None)
+        policy = with_scorer(policy, config, max_entries)  # kvzap: the model's scorer (S11)
         budget = None if max_entries is None else DecodeBudget(max_entries, every)
         if budget is not None:
             budget.check_policy(policy)
@@ -539,9 +538,7 @@ class ProbKVCache(Cache):
         (same random draws); a global one sees every layer at once (S3 global scope).
         """
         if policy is not None:
-            policy = with_scorer(
-                policy, self.model_config, decode_budget=self.decode_budget is not None
-            )
+            policy = with_scorer(policy, self.model_config, self.decode_budget)
             if self.decode_budget is not None:
                 self.decode_budget.check_policy(policy)
             self.policy = policy

@@ -77,14 +77,15 @@ def scorer_for_config(config) -> SurrogateScorer:
     )
 
 
-def with_scorer(policy, config, *, decode_budget: bool = False):
+def with_scorer(policy, config, decode_budget=None):
     """``policy`` with the model's kvzap scorer in its ``score_params`` (module docstring);
-    other scores unchanged. Under a decode budget kvzap is refused: its scorer reads every
+    other scores unchanged. Under a decode budget (``decode_budget``: the cache's budget or
+    its ``max_entries``, ``None`` without one) kvzap is refused: its scorer reads every
     KV head's features at one position, but after a stage the heads hold different entries
     (a scorer per head, reading only its own head's key and value, would fit S10.5)."""
     if policy.score != SCORE:
         return policy
-    if decode_budget:
+    if decode_budget is not None:
         raise ValueError(
             "score 'kvzap' under a decode budget (max_entries): its scorer predicts each head "
             "from every KV head's key and value at the same position, and after a stage the "
