@@ -44,6 +44,7 @@ from transformers import DynamicCache
 from probkv.cli_args import ratio_list
 from probkv.dtypes import DTYPE_CHOICES, MODEL_DTYPES, resolve_dtype_name
 from probkv.hf import ProbKVCache, compress, observe, prepare_model, repeat_prompt
+from probkv.hf.surrogate import has_scorer
 from probkv.models import load_model
 from probkv.policies import parse_method
 from probkv.scores import SCORE_NAMES
@@ -217,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     dtype = resolve_dtype_name(args.dtype)
     model, tokenizer = load_model(args.model, dtype=MODEL_DTYPES[dtype])
+    if args.scores == "all" and not has_scorer(model.config):
+        scores.remove("kvzap")  # S11: needs a scorer trained for this model
+        print(f"kvzap skipped: no scorer shipped for {args.model} (probkv train-scorer)")
     prompt = repeat_prompt(tokenizer)
     methods = [score_method(s) for s in scores] + EXTRA_PREFILL_METHODS
     print(

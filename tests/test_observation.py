@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from probkv.observation import PrefillStatistics, observe_layer
 from probkv.scores import SCORE_NAMES, SCORE_TABLE, column_sums_needed
+from probkv.testing import tiny_scorer
 
 torch.set_num_threads(1)
 
@@ -30,6 +31,8 @@ def make_layer(t, hkv=2, g=2, d=8, seed=0):
 
 
 def params_of(name):
+    if name == "kvzap":  # S11: a trained scorer of these layers (tests/test_surrogate.py)
+        return {"surrogate": tiny_scorer(2, 8, 8, layers=(0, 3))}
     return {"window": 5} if name == "snapkv" else {}
 
 

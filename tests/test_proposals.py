@@ -215,7 +215,8 @@ def make_layer(t, hkv, g, d=8, seed=0):
 
 
 # scores of the prefill's own attention (reconstruction scores: tests/test_reconstruction.py)
-PREFILL_SCORES = [s for s in SCORE_NAMES if not needs_reconstruction(s)]
+# kvzap needs a trained scorer (S11; tests/test_surrogate.py)
+PREFILL_SCORES = [s for s in SCORE_NAMES if not needs_reconstruction(s) and s != "kvzap"]
 
 
 @pytest.mark.parametrize("name", PREFILL_SCORES)

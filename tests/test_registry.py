@@ -37,6 +37,7 @@ NAMED = [
     "ada_pyramidkv",
     "kvzip",
     "ada_kvzip",
+    "kvzap",
 ]
 
 
@@ -94,6 +95,7 @@ def test_default_score_params_are_the_score_functions_defaults_except_snapkv_gqa
         "kvzip": scores.kvzip,
         "h2o-rec": scores.h2o_reconstruction,
         "min-rec": scores.min_reconstruction,
+        "kvzap": scores.kvzap,
     }
     for name, params in DEFAULT_SCORE_PARAMS.items():
         signature = inspect.signature(functions[name]).parameters
@@ -351,7 +353,8 @@ def test_prob_kvzip_budget_is_global_by_default():
     for name in ("prob:kvzip", "prob:kvzip/scope=head", "prob:h2o/scope=global"):
         assert method_name(parse_method(name, 0.5)) == name
     global_scores = [s for s in SCORE_NAMES if default("scope", s, "pps") == "global"]
-    assert global_scores == ["kvzip", "h2o-rec", "min-rec"]  # the reconstruction scores
+    # the reconstruction scores and kvzip's surrogate (S11)
+    assert global_scores == ["kvzip", "h2o-rec", "min-rec", "kvzap"]
 
 
 def test_prob_core_defaults_follow_the_score_and_the_sampler():
@@ -371,6 +374,7 @@ def test_prob_core_defaults_follow_the_score_and_the_sampler():
         "kvzip": 0.5,
         "h2o-rec": 0.5,
         "min-rec": 0.5,
+        "kvzap": 0.5,
     }
     assert {s: default("core", s, "pps") for s in SCORE_NAMES} == measured
     for score, core in measured.items():
@@ -442,9 +446,10 @@ def test_prob_block_defaults_follow_the_score_and_the_sampler():
     (docs/evaluation.md, "Spans for `prob:kvzip`"); the with-replacement sampler has single
     entries; the canonical name drops the score's own defaults and keeps any other design."""
     blocks = {s: default("block", s, "pps") for s in SCORE_NAMES}
-    assert blocks == {s: (32 if s == "kvzip" else 8) for s in SCORE_NAMES}
+    spans = ("kvzip", "kvzap")  # kvzap mirrors kvzip, whose scale it predicts (S11)
+    assert blocks == {s: (32 if s in spans else 8) for s in SCORE_NAMES}
     units = {s: default("units", s, "pps") for s in SCORE_NAMES}
-    assert units == {s: ("spans" if s == "kvzip" else "blocks") for s in SCORE_NAMES}
+    assert units == {s: ("spans" if s in spans else "blocks") for s in SCORE_NAMES}
     kvzip = parse_method("prob:kvzip")
     assert (kvzip.block, kvzip.units) == (32, "spans")
     assert (parse_method("prob:h2o-rec").block, parse_method("prob:h2o-rec").units) == (8, "blocks")

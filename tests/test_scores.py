@@ -43,6 +43,7 @@ from probkv.scores import (
     tensor_param_names,
     validate_params,
 )
+from probkv.testing import tiny_scorer
 
 torch.set_num_threads(1)
 
@@ -435,7 +436,9 @@ def test_table_declares_scale_source_and_defaults():
     defaults; the reconstruction scores of S10.1)."""
     reconstruction = {"kvzip", "h2o-rec", "min-rec"}
     attention = {name for name in SCORE_NAMES if on_attention_scale(name)}
-    assert attention == {"h2o", "h2o-h", "min", "min-h", "snapkv", "tova", *reconstruction}
+    surrogates = {"kvzap"}  # S11: predicts kvzip's scale
+    expected = {"h2o", "h2o-h", "min", "min-h", "snapkv", "tova", *reconstruction, *surrogates}
+    assert attention == expected
     assert {name for name in SCORE_NAMES if needs_reconstruction(name)} == reconstruction
     assert default_params("kvzip") == {"sinks": 4, "chunk_tokens": 2000}
     assert default_params("snapkv") == {"window": 32, "kernel": 7, "pooling": "max", "gqa": "mean"}
@@ -504,6 +507,8 @@ def test_scores_read_only_their_declared_last_rows(name, t):
     given, the query rows before the last ``last_query_rows`` can be anything."""
     q, k, v = make_layer(t, 2, 2, seed=t)
     params = {"window": 4} if name == "snapkv" else {}
+    if name == "kvzap":  # S11: a trained scorer (tests/test_surrogate.py)
+        params = {"surrogate": tiny_scorer(2, 8, 6)}
     rows = last_query_rows(name, {**default_params(name), **params})
     weighting = column_sums_needed(name)
     sums = None
@@ -513,7 +518,7 @@ def test_scores_read_only_their_declared_last_rows(name, t):
         sums = sums[0]
     other = torch.randn_like(q) * 7
     other[:, max(0, t - rows) :] = q[:, max(0, t - rows) :]
-    got = compute_scores(name, other, k, v, scale=0.3, column_sums=sums, **params)
-    ref = compute_scores(name, q, k, v, scale=0.3, column_sums=sums, **params)
+    got = compute_scores(name, other, k, v, scale=0.3, column_sums=sums, layer_idx=0, **params)
+    ref = compute_scores(name, q, k, v, scale=0.3, column_sums=sums, layer_idx=0, **params)
     assert torch.equal(got.log_scores, ref.log_scores)
     assert rows == (4 if name == "snapkv" else 1)

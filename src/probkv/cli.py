@@ -44,6 +44,7 @@ from probkv.models import (
     model_status,
     resolve_model,
 )
+from probkv.surrogate import scorer_names
 
 #: Modules that contribute subcommands, in ``--help`` order; add yours here. Names, not
 #: imports: the registry is data that tests and plugins extend, and ``probkv.cli`` has no
@@ -54,6 +55,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "probkv.eval.attention_error_cli",
     "probkv.eval.commands",
     "probkv.eval.long_decode_cli",
+    "probkv.eval.train_scorer_cli",
 )
 
 DEFAULT_THREADS = 1
@@ -177,8 +179,10 @@ def check_generation_fits(prompt_tokens: int, max_new_tokens: int, limit: int) -
 
 
 def _run_models(args: argparse.Namespace) -> int:
-    """Print every registry model: installed or not (with the install command), cache state."""
+    """Print every registry model: installed or not (with the install command), cache state,
+    and whether a kvzap scorer is shipped for it (S11)."""
     print(f"cache: {cache_root()}")
+    scorers = scorer_names()
     for name in model_names():
         status = model_status(name)
         default = " (default)" if name == DEFAULT_MODEL else ""
@@ -194,6 +198,8 @@ def _run_models(args: argparse.Namespace) -> int:
             )
         else:
             print("    installed; not converted yet (first load converts it, ~20-60 s)")
+        scorer = "shipped" if name in scorers else "none (train one: probkv train-scorer)"
+        print(f"    kvzap scorer (S11): {scorer}")
     return 0
 
 

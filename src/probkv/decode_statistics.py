@@ -289,6 +289,7 @@ class DecodeStatistics:
             values,
             scale=scale,
             column_sums=self.column_sums(heads, n),
+            layer_idx=layer_idx,
             **params,
         )
         return LayerObservation(

@@ -127,7 +127,14 @@ def _observation(
     """The scores of ``score`` and the last query's attention (S2, S6): ``query [Hq, t, d]``
     needs real values only in the rows the score reads besides ``column_sums``."""
     result = scores.compute_scores(
-        score, query, key, value, scale=scale, column_sums=column_sums, **params
+        score,
+        query,
+        key,
+        value,
+        scale=scale,
+        column_sums=column_sums,
+        layer_idx=layer_idx,
+        **params,
     )
     return LayerObservation(
         layer_idx=layer_idx,

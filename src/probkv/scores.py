@@ -45,6 +45,7 @@ from probkv.score_functions import (
     tova,
     uniform,
 )
+from probkv.surrogate import check_scorer, kvzap
 
 __all__ = [
     "FORCED_LOG_SCORE",
@@ -65,6 +66,7 @@ __all__ = [
     "h2o_harmonic",
     "h2o_reconstruction",
     "knorm",
+    "kvzap",
     "kvzip",
     "last_query_rows",
     "min_reconstruction",
@@ -100,7 +102,8 @@ def _optional_positive(value: object, name: str) -> int | None:
 #: ``column_sums [Hq, t]`` (or ``None``, then computed in chunks of ``chunk_size`` rows), and
 #: the layer's shape (``t``, ``num_kv_heads``) and ``device`` for scores that read no tensor,
 #: and the ``reconstruction`` statistics (``probkv.reconstruction.ReconstructionStats``) of the
-#: pass run after prefill (S10.1) for the scores whose source is ``"reconstruction"``.
+#: pass run after prefill (S10.1) for the scores whose source is ``"reconstruction"``, and
+#: the model's ``layer_idx`` for scores fitted per layer (the surrogate ``kvzap``, S11).
 SCORE_INPUTS: tuple[str, ...] = (
     "query",
     "key",
@@ -112,6 +115,7 @@ SCORE_INPUTS: tuple[str, ...] = (
     "num_kv_heads",
     "device",
     "reconstruction",
+    "layer_idx",
 )
 
 #: Where a score's statistics come from: the prefill's own rows, or a reconstruction pass
@@ -267,6 +271,16 @@ SCORE_TABLE: dict[str, ScoreSpec] = {
         attention_scale=True,
         source="reconstruction",
     ),
+    # S11: a surrogate of kvzip, predicted per layer from the keys and values at prefill
+    # (probkv.surrogate); the scorer is a Python object (probkv.hf loads the shipped one).
+    # Defaults mirror kvzip's, whose scale it predicts (docs/evaluation.md, "Surrogate
+    # scores (kvzap)").
+    "kvzap": ScoreSpec(
+        kvzap,
+        ("key", "value", "layer_idx"),
+        {"surrogate": Param(check=check_scorer, tensor=True), "sinks": _SINKS},
+        attention_scale=True,
+    ),
 }
 
 SCORE_NAMES: tuple[str, ...] = tuple(SCORE_TABLE)
@@ -349,6 +363,7 @@ def compute_scores(
     column_sums: torch.Tensor | None = None,
     chunk_size: int | None = None,
     reconstruction: object | None = None,
+    layer_idx: int | None = None,
     **params: object,
 ) -> Scores:
     """Score ``name`` (a row of ``SCORE_TABLE``) for one layer.
@@ -368,6 +383,8 @@ def compute_scores(
         reconstruction: the ``ReconstructionStats`` of the layer's reconstruction pass,
             required by (and only by) the scores whose source is ``"reconstruction"`` (S10.1;
             ``probkv.hf.compress`` and ``observe`` run the pass).
+        layer_idx: the layer's index in the model, read by scores fitted per layer
+            (``kvzap``, S11).
         params: the row's parameters: ``alpha`` (GQA weights, attention scores),
             ``window``, ``kernel``, ``pooling``, ``gqa`` (``snapkv``), ``sinks``
             (``streaming_llm``).
@@ -404,5 +421,6 @@ def compute_scores(
         "num_kv_heads": key.shape[0],
         "device": key.device,
         "reconstruction": reconstruction,
+        "layer_idx": layer_idx,
     }
     return spec.function(**{x: available[x] for x in spec.inputs}, **params)

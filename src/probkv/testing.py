@@ -308,3 +308,32 @@ def write_tiny_gguf(path: str | os.PathLike[str], *, seed: int = 0, **overrides:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def tiny_scorer(
+    num_kv_heads: int = 2,
+    head_dim: int = 8,
+    value_dim: int | None = None,
+    layers: tuple[int, ...] = (0,),
+    *,
+    seed: int = 0,
+):
+    """A random kvzap scorer (``probkv.surrogate.SurrogateScorer``, S11) for ``layers`` of
+    ``num_kv_heads`` KV heads with keys of ``head_dim`` and values of ``value_dim`` (default
+    ``head_dim``): predictions around ``log(1/100)``, for tests of code that iterates over
+    every score (every layer has the same fit)."""
+    from probkv import surrogate as sg
+
+    dv = head_dim if value_dim is None else value_dim
+    f = num_kv_heads * (dv + head_dim // 2)
+    gen = torch.Generator().manual_seed(seed)
+    fit = sg.LinearSurrogate(
+        torch.zeros(f),
+        torch.ones(f),
+        0.3 * torch.randn(f, num_kv_heads, generator=gen),
+        torch.full((num_kv_heads,), -4.6),
+    )
+    fits = dict.fromkeys(layers, fit)  # one fit for every layer
+    shapes = {"model_type": "tiny", "num_key_value_heads": num_kv_heads, "head_dim": head_dim}
+    model = {"name": "tiny", "shapes": shapes, "digest": sg.config_digest(shapes)}
+    return sg.SurrogateScorer("kv", fits, model, {"teacher": "kvzip"})

@@ -46,6 +46,7 @@ from probkv.hf.eviction import evict_layers
 from probkv.hf.prefill import ObserveOnly, PromptReading
 from probkv.hf.prefix import DenseTail, RaggedPrefix
 from probkv.hf.report import LayerReport
+from probkv.hf.surrogate import with_scorer
 from probkv.policies.base import EvictionPolicy, LayerObservation
 from probkv.selection import RaggedSelection
 
@@ -414,6 +415,7 @@ class ProbKVCache(Cache):
         guards.check_policy_type(policy)
         if prompt_length is not None:
             check_positive_int(prompt_length, "prompt_length")
+        policy = with_scorer(policy, config, max_entries)  # kvzap: the model's scorer (S11)
         budget = guards.decode_budget(max_entries, every)
         if budget is not None:
             budget.check_policy(policy)
@@ -437,6 +439,7 @@ class ProbKVCache(Cache):
                 "this model has no global-attention layer to evict (every layer uses a sliding window)"
             )
         super().__init__(layers=layers)
+        self.model_config = config  # a later evict(policy) finds kvzap's scorer with it
         self.policy = policy
         self.observing = policy  # the score (and parameters) its prefill observes
         self.evicting_layers = [
@@ -528,6 +531,7 @@ class ProbKVCache(Cache):
         guards.check_can_evict({layer.layer_idx: layer.state.value for layer in layers})
         if policy is not None:
             guards.check_policy_type(policy)
+            policy = with_scorer(policy, self.model_config, self.decode_budget)
             guards.check_observed(self.observing, policy)
             if self.decode_budget is not None:
                 self.decode_budget.check_policy(policy)

@@ -52,18 +52,23 @@ SCOPES = ("head", "global")
 # streaming_llm's recency ramp is no estimate of attention, so its weights are tempered (tau
 # 2). The reconstruction scores compete globally, as KVzip does (S10.1).
 DEFAULTS: dict[str, dict[str | tuple[str, str], object]] = {
-    "scope": {"*": "head", "kvzip": "global", "h2o-rec": "global", "min-rec": "global"},
+    "scope": {
+        "*": "head",
+        **dict.fromkeys(("kvzip", "h2o-rec", "min-rec", "kvzap"), "global"),
+    },
     "seed": {"*": 0},
     "sampler": {"*": "pps"},
     "weights": {"*": "inclusion"},
     "core": {
         "*": 0.0,
-        **dict.fromkeys(("h2o", "h2o-h", "min", "min-h", "kvzip", "h2o-rec", "min-rec"), 0.5),
+        **dict.fromkeys(
+            ("h2o", "h2o-h", "min", "min-h", "kvzip", "h2o-rec", "min-rec", "kvzap"), 0.5
+        ),
         **dict.fromkeys(("tova", "streaming_llm", "uniform"), 0.9),
     },
-    "block": {"*": 8, "kvzip": 32},
+    "block": {"*": 8, "kvzip": 32, "kvzap": 32},
     "order": {"*": "random"},
-    "units": {"*": "blocks", "kvzip": "spans"},
+    "units": {"*": "blocks", "kvzip": "spans", "kvzap": "spans"},
     "correct": {"*": True},
     "tau": {"*": 1.0, ("pps", "streaming_llm"): 2.0},
     "calibrate": {"*": math.inf},

@@ -70,6 +70,11 @@ NAMED_METHODS: dict[str, tuple[type[EvictionPolicy], dict]] = {
         {"score": "kvzip", "layer_budgets": "global", "head_budgets": "ada", "alpha": 0.0},
     ),
     "ada_kvzip": (TopKPolicy, {"score": "kvzip", "head_budgets": "ada"}),
+    # its surrogate (S11) evicts as KVzip does: one global top-k on the predicted scale
+    "kvzap": (
+        TopKPolicy,
+        {"score": "kvzap", "layer_budgets": "global", "head_budgets": "ada", "alpha": 0.0},
+    ),
 }
 FAMILIES: dict[str, type[EvictionPolicy]] = {"topk": TopKPolicy, "prob": ProbabilisticPolicy}
 

@@ -1,0 +1,173 @@
+"""Tests of probkv.eval.train_scorer and ``probkv train-scorer`` (S11), on a tiny model.
+
+The training contexts never coincide with an evaluation's: their task seeds start at
+``TRAIN_SEED_BASE``, above every seed an evaluation uses by default, and their prose seeds
+are strings no integer seed renders to. The trainer is checked end to end (every feature kind
+measured, resumable from the saved teacher statistics, the file usable by ``kvzap``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+
+import pytest
+import torch
+
+from probkv import surrogate as sg
+from probkv.cli import build_parser, main
+from probkv.eval import attention_prompts, demo
+from probkv.eval import train_scorer as ts
+from probkv.eval.config import RunConfig
+from probkv.eval.tasks import TASK_NAMES
+from probkv.eval.tasks.generate import generate_examples
+from probkv.hf import compress, prepare_model
+from probkv.policies import parse_method
+from probkv.testing import save_tiny_model_folder, tiny_model, tiny_tokenizer
+
+LENGTH = 700
+
+
+def _default(func, name):
+    return inspect.signature(func).parameters[name].default
+
+
+def test_training_seeds_are_disjoint_from_every_evaluation_seed():
+    eval_seeds = {
+        RunConfig.__dataclass_fields__["seed"].default,
+        demo.demo_config().seed,
+        _default(attention_prompts.haystack_prompt, "seed"),
+    }
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for command in ("eval", "task-attention-error"):
+        for action in sub.choices[command]._actions:
+            if action.dest == "seed":
+                eval_seeds.add(action.default)
+    assert eval_seeds == {0}
+    assert ts.training_seed(0) == ts.TRAIN_SEED_BASE > 10**12
+    # the evaluations' seeds are small: every one below a million is far from the range
+    assert all(s < ts.TRAIN_SEED_BASE for s in [*eval_seeds, 10**6])
+    # prose seeds: "probkv-prose:train-K" never equals "probkv-prose:<int>"
+    tok = tiny_tokenizer()
+    contexts = list(ts.training_contexts(tok, 5, LENGTH))  # byte tokens: the short tasks
+    assert [c.kind for c in contexts] == list(ts.CONTEXT_KINDS[:5])
+    assert contexts[0].id == "prose-train-0"
+    for index, ctx in enumerate(contexts[1:], start=1):
+        assert ctx.id.endswith(f"-{ts.training_seed(index)}-0")
+    # and the contexts differ from the evaluation's examples of the same task and length
+    for ctx in contexts[1:4]:
+        (example,) = generate_examples(ctx.kind, tokenizer=tok, length=LENGTH, num_examples=1)
+        assert example.id != ctx.id and tok.encode(example.context) != ctx.ids
+
+
+def test_training_contexts_are_deterministic_and_fit_the_length():
+    tok = tiny_tokenizer()
+    a = list(ts.training_contexts(tok, 3, LENGTH))
+    b = list(ts.training_contexts(tok, 3, LENGTH))
+    assert a == b
+    assert all(0 < len(c.ids) <= LENGTH for c in a)
+    assert set(ts.CONTEXT_KINDS) == {"prose", *TASK_NAMES}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    torch.set_num_threads(1)
+    model = prepare_model(tiny_model("llama", num_hidden_layers=2))
+    work = tmp_path_factory.mktemp("work")
+    scorer = ts.train_scorer(
+        model,
+        tiny_tokenizer(),
+        name="tiny",
+        work_dir=work,
+        contexts=4,
+        heldout=2,
+        length=LENGTH,
+        progress=False,
+    )
+    return model, scorer, work
+
+
+def test_train_scorer_measures_every_feature_kind(trained):
+    model, scorer, work = trained
+    assert sorted(scorer.layers) == [0, 1]
+    assert set(scorer.metrics["by_features"]) == set(sg.FEATURE_KINDS)
+    for row in scorer.metrics["by_features"].values():
+        assert -1.0 <= row["spearman_mean"] <= 1.0
+        assert set(row["kept_overlap"]) == {"0.5", "0.75", "0.9"}
+        assert row["alpha"] in ts.ALPHAS
+    assert scorer.features == "kv" and scorer.recipe["teacher"] == "kvzip"
+    assert scorer.model["shapes"]["num_key_value_heads"] == model.config.num_key_value_heads
+    assert len(list(work.glob("*.pt"))) == 4
+
+
+def test_train_scorer_resumes_from_saved_teacher_statistics(trained):
+    model, scorer, work = trained
+    saved = {p.name: p.stat().st_mtime_ns for p in work.glob("*.pt")}
+    again = ts.train_scorer(
+        model,
+        tiny_tokenizer(),
+        name="tiny",
+        work_dir=work,
+        contexts=4,
+        heldout=2,
+        length=LENGTH,
+        progress=False,
+    )
+    assert {p.name: p.stat().st_mtime_ns for p in work.glob("*.pt")} == saved
+    for i in scorer.layers:
+        torch.testing.assert_close(again.layers[i].weight, scorer.layers[i].weight)
+
+
+def test_trained_scorer_evicts_by_name_and_is_refused_without_one(trained, tmp_path):
+    model, scorer, _ = trained
+    ids = torch.tensor([list(range(6, 206))])
+    with pytest.raises(ValueError, match="no scorer for model"):
+        compress(model, ids, parse_method("kvzap", 0.5))
+    path = tmp_path / "tiny.pt"
+    sg.save_scorer(scorer, path)
+    loaded = sg.load_scorer(path)
+    for method in ("kvzap", "topk:kvzap", "prob:kvzap"):
+        policy = parse_method(method, 0.5)
+        policy = type(policy)(
+            **{**policy.__dict__, "score_params": {**policy.score_params, "surrogate": loaded}}
+        )
+        cache = compress(model, ids, policy)
+        assert 0.4 < cache.effective_ratio() < 0.6
+    other = prepare_model(tiny_model("llama", num_hidden_layers=3))
+    with pytest.raises(ValueError, match="trained for another model"):
+        compress(other, ids, policy)
+
+
+def test_train_scorer_bad_input(trained):
+    model, _, work = trained
+    with pytest.raises(ValueError, match="heldout"):
+        ts.train_scorer(model, tiny_tokenizer(), name="t", work_dir=work, contexts=4, heldout=1)
+    with pytest.raises(ValueError, match="features"):
+        ts.train_scorer(model, tiny_tokenizer(), name="t", work_dir=work, features="hidden")
+
+
+def test_train_scorer_cli(tmp_path, capsys):
+    folder = save_tiny_model_folder(tmp_path / "model", num_hidden_layers=1)
+    out = tmp_path / "s.pt"
+    argv = [
+        "train-scorer",
+        "--model",
+        str(folder),
+        "--out",
+        str(out),
+        "--contexts",
+        "3",
+        "--heldout",
+        "2",
+        "--length",
+        str(LENGTH),
+        "--dtype",
+        "float32",
+    ]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "features kv " in printed and "spearman per layer" in printed
+    assert sg.load_scorer(out).model["name"] == str(folder)
+    assert (tmp_path / "s.pt.work").is_dir()
+    assert main(["train-scorer", "--out", str(tmp_path)]) == 2  # a folder, refused
