@@ -528,13 +528,14 @@ class ProbKVCache(Cache):
         (same random draws); a global one sees every layer at once (S3 global scope).
         """
         layers = [self.layers[i] for i in self.evicting_layers]
-        guards.check_can_evict({layer.layer_idx: layer.state.value for layer in layers})
-        if policy is not None:
+        if policy is not None:  # what the policy is, before whether the cache can serve it
             guards.check_policy_type(policy)
             policy = with_scorer(policy, self.model_config, self.decode_budget)
-            guards.check_observed(self.observing, policy)
             if self.decode_budget is not None:
                 self.decode_budget.check_policy(policy)
+        guards.check_can_evict({layer.layer_idx: layer.state.value for layer in layers})
+        if policy is not None:
+            guards.check_observed(self.observing, policy)
             self.policy = policy
             for layer in layers:
                 layer.use_policy(policy)
