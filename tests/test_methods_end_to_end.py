@@ -52,7 +52,8 @@ def exact_budget(policy) -> bool:
 
 def budget_slack(policy, t: int) -> float:
     """How far an exact-budget method's effective ratio may be from the target (S10.3)."""
-    return max(getattr(policy, "block", 1) - 1, 0) / t + 1e-9
+    block = getattr(policy, "block", None) or 1  # None: a top-k policy of head scope
+    return max(block - 1, 0) / t + 1e-9
 
 
 def check_compressed(cache, policy, t: int) -> None:

@@ -411,7 +411,9 @@ def test_global_scope_shares_one_m_and_hits_the_mean_fraction():
 
 
 def test_bad_fields_fail_at_construction_naming_the_value():
-    with pytest.raises(ValueError, match="scope must be one of 'head', 'global'; got 'layer'"):
+    with pytest.raises(
+        ValueError, match="scope must be one of 'head', 'global', 'model'; got 'layer'"
+    ):
         ProbabilisticPolicy(scope="layer")
     with pytest.raises(ValueError, match="sampler must be one of 'with_replacement', 'pps'"):
         ProbabilisticPolicy(sampler="poisson")

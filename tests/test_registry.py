@@ -165,7 +165,8 @@ def test_ratio_is_not_part_of_the_name():
 
 VALUES = {
     "tau": ["0.5", "1", "2", "10", "inf"],
-    "scope": ["head", "global"],
+    "scope": ["head", "global", "model"],
+    "aggregate": ["sum", "max"],
     "sampler": ["with_replacement", "pps"],
     "weights": ["counts", "inclusion"],
     "correct": ["true", "false"],
@@ -208,7 +209,31 @@ def does_nothing(name: str, options: list[str]) -> bool:
         return True
     ada = name in ("ada_snapkv", "ada_pyramidkv", "ada_kvzip") or keys.get("head_budgets") == "ada"
     pyramid = name in ("pyramidkv", "ada_pyramidkv") or keys.get("layer_budgets") == "pyramid"
-    return ("alpha" in keys and not ada) or ("beta" in keys and not pyramid)
+    if ("alpha" in keys and not ada) or ("beta" in keys and not pyramid):
+        return True
+    return model_scope_refused(name, keys)
+
+
+def model_scope_refused(name: str, keys: dict[str, str]) -> bool:
+    """scope=model (S11): block and aggregate only there (top-k: block is a pps option of
+    prob:), uniform layer and head budgets only, the pps sampler over blocks only; top-k has
+    no scope 'global' (its global budget is layer_budgets=global)."""
+    prob = name.startswith("prob:")
+    model = keys.get("scope") == "model"
+    if not prob and keys.get("scope") == "global":
+        return True
+    if "aggregate" in keys and not model:
+        return True
+    if not model:
+        return not prob and "block" in keys
+    if prob:
+        return keys.get("sampler") == "with_replacement" or keys.get("units") == "spans"
+    fixed_budgets = name in ("kvzip", "pyramidkv", "ada_snapkv", "ada_pyramidkv", "ada_kvzip")
+    return (
+        fixed_budgets
+        or keys.get("layer_budgets", "uniform") != "uniform"
+        or (keys.get("head_budgets", "uniform") != "uniform")
+    )
 
 
 def calibrate_refused(name: str, options: list[str]) -> bool:
@@ -302,7 +327,7 @@ def test_method_options_per_family():
         ("pyramidkv/beta=0.5", "beta .* must be >= 1"),
         ("h2o/recent=2", r"recent must be in \[0, 1\]"),
         ("prob:h2o/tau=-1", "tau must be > 0"),
-        ("prob:h2o/scope=layer", "scope must be one of 'head', 'global'; got 'layer'"),
+        ("prob:h2o/scope=layer", "scope must be one of 'head', 'global', 'model'; got 'layer'"),
         ("prob:h2o/sampler=poisson", "sampler must be one of 'with_replacement', 'pps'"),
         ("prob:h2o/correct=maybe", "correct must be True or False, got 'maybe'"),
         ("prob:h2o/uniform_mix=0", r"uniform_mix must be in \(0, 1\]"),

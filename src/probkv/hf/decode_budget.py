@@ -106,7 +106,7 @@ class DecodeBudget:
     def block_limit(self, policy: EvictionPolicy) -> dict:
         """A pps block design (S10.3) keeps up to ``block - 1`` entries above its budget: under
         a decode budget its blocks hold at most ``K`` entries, so no head passes ``B + K``."""
-        block = getattr(policy, "block", 1)
+        block = getattr(policy, "block", None) or 1  # None: a top-k policy of head scope
         return {"block": self.every} if block > self.every else {}
 
 

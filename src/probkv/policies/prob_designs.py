@@ -36,7 +36,7 @@ from probkv import calibration, designs, estimator, proposals, sample_size, samp
 from probkv._checks import check_choice
 from probkv.policies.base import check_fraction
 
-SCOPES = ("head", "global")
+SCOPES = ("head", "global", "model")
 
 # Every default of a prob: option. Keys: "*" (every score, every sampler), a score, a sampler,
 # or (sampler, score); the most specific wins (``default``). Measured on SmolLM2's needle tasks
@@ -56,6 +56,7 @@ DEFAULTS: dict[str, dict[str | tuple[str, str], object]] = {
         "*": "head",
         **dict.fromkeys(("kvzip", "h2o-rec", "min-rec", "kvzap"), "global"),
     },
+    "aggregate": {"*": "sum"},  # scope="model" only (S11): a block's score over heads
     "seed": {"*": 0},
     "sampler": {"*": "pps"},
     "weights": {"*": "inclusion"},

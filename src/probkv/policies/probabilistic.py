@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from probkv import budgets, calibration, proposals, scores
+from probkv import budgets, calibration, model_blocks, proposals, scores
 from probkv._checks import check_choice
-from probkv.policies import prob_designs
+from probkv.policies import model_wide, prob_designs
 from probkv.policies.base import (
     EvictionPolicy,
     LayerObservation,
@@ -86,10 +86,11 @@ class ProbabilisticPolicy(EvictionPolicy):
     design: Design | None = None
     weighting: Weighting | None = None
     proposal_options: Proposal | None = None
+    aggregate: str | None = None  # scope="model" only (S11): "sum" (default) or "max"
 
     # Option whose value decides other options' defaults: method names compare those options
     # with the defaults of a policy with the same sampler.
-    DEFAULTS_DEPEND_ON = ("sampler",)
+    DEFAULTS_DEPEND_ON = ("sampler", "scope")
 
     def __init__(
         self,
@@ -101,6 +102,7 @@ class ProbabilisticPolicy(EvictionPolicy):
         design: Design | None = None,
         weighting: Weighting | None = None,
         proposal_options: Proposal | None = None,
+        aggregate: str | None = None,
         **options,
     ) -> None:
         put = _setter(self)
@@ -112,14 +114,38 @@ class ProbabilisticPolicy(EvictionPolicy):
                 f"unknown option {unknown[0]!r} of ProbabilisticPolicy; valid options: "
                 f"{', '.join(self.option_names())}"
             )
+        if scope is None:
+            scope = prob_designs.default("scope", score, options.get("sampler") or "pps")
+        check_choice(scope, SCOPES, "scope")
+        if scope == model_wide.SCOPE and design is None and options.get("sampler", "pps") == "pps":
+            # model-wide units are blocks of positions, vLLM's 16 unless told (S11)
+            options.setdefault("units", "blocks")
+            options.setdefault("block", model_wide.DEFAULT_BLOCK)
         design = self._design(design, options)
         weighting = self._part(Weighting, weighting, options, design.NAME)
         shape = self._part(Proposal, proposal_options, options, design.NAME)
-        scope = prob_designs.default("scope", score, design.NAME) if scope is None else scope
-        check_choice(scope, SCOPES, "scope")
+        if scope == model_wide.SCOPE and aggregate is None:
+            aggregate = prob_designs.default("aggregate", score, design.NAME)
+        _, aggregate = model_wide.check_options(scope, None, aggregate, where="prob:")
         put(scope=scope, seed=_check_seed(seed), design=design, weighting=weighting)
-        put(proposal_options=shape)
+        put(proposal_options=shape, aggregate=aggregate)
+        self._check_model_scope()
         self._check_calibrate()
+
+    def _check_model_scope(self) -> None:
+        """``scope="model"`` draws whole blocks of ``block`` positions by fixed-size pps (S11)."""
+        if self.scope != model_wide.SCOPE:
+            return
+        if self.design.NAME != "pps":
+            raise ValueError(
+                f"scope='model' draws blocks of positions by fixed-size pps (S11), got "
+                f"sampler={self.design.NAME!r}; use sampler=pps"
+            )
+        if self.design.units != "blocks":
+            raise ValueError(
+                f"units={self.design.units!r} with scope='model': model-wide units are blocks "
+                "of consecutive positions shared by every layer and head (S11); use units=blocks"
+            )
 
     def _design(self, design: Design | None, options: dict) -> Design:
         """The sampling design from ``design`` and the options (S9, S10)."""
@@ -159,11 +185,12 @@ class ProbabilisticPolicy(EvictionPolicy):
     def option_names(cls) -> tuple[str, ...]:
         designs = tuple(prob_designs.design_options())
         parts = tuple(k for options in PART_OPTIONS for k in options)
-        return tuple(sorted(("scope", "seed", "sampler", *designs, *parts)))
+        return tuple(sorted(("scope", "seed", "sampler", "aggregate", *designs, *parts)))
 
     def option_values(self) -> dict[str, object]:
         return {
             "scope": self.scope,
+            "aggregate": self.aggregate,
             "seed": self.seed,
             "sampler": self.design.NAME,
             **self.design.values(),
@@ -265,6 +292,8 @@ class ProbabilisticPolicy(EvictionPolicy):
         observations = [self._with_forced(obs) for obs in observations]
         pooled = [self.pooled_scores(obs) for obs in observations]
         pis = [self.proposal(obs, p).double() for obs, p in zip(observations, pooled)]
+        if self.scope == model_wide.SCOPE:
+            return self._select_model(observations, pis)
         # A head whose entries are all forced (a prompt no longer than SnapKV's window at a
         # budget of every entry) has nothing to sample: it keeps everything and is left out.
         rows = [pi.sum(-1) > 0 for pi in pis]
@@ -302,6 +331,30 @@ class ProbabilisticPolicy(EvictionPolicy):
             _selection(obs, k, w if self.corrected else None)
             for obs, k, w in zip(observations, kept, logw)
         ]
+
+    def _select_model(
+        self, observations: list[LayerObservation], pis: list[torch.Tensor]
+    ) -> list[RaggedSelection]:
+        """S11: one block pps for every layer and head, weights ``-log P_b / tau``. The draw
+        runs on a CPU generator seeded as the head scope's (the blocks are few)."""
+        generator = torch.Generator()
+        generator.manual_seed(self.seed * SEED_STRIDE + observations[0].layer_idx)
+
+        def choose(mass, forced, k):
+            kept, inclusion = model_blocks.pps_blocks(
+                mass, forced, k, core=self.core, order=self.order, generator=generator
+            )
+            return kept, inclusion if self.corrected else None
+
+        return model_wide.select(
+            observations,
+            pis,
+            ratio=self.ratio,
+            block=self.block,
+            aggregate=self.aggregate,
+            tau=self.tau if self.corrected else 1.0,
+            choose=choose,
+        )
 
     def _global_keys(self, obs: LayerObservation, pooled: torch.Tensor) -> torch.Tensor:
         """``[Hkv, t]`` float64 keys comparable across heads (S9 global), from the pooled

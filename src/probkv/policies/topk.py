@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from probkv import budgets, proposals, scores
+from probkv import budgets, model_blocks, proposals, scores
 from probkv._checks import check_choice
+from probkv.policies import model_wide
 from probkv.policies.base import (
     EvictionPolicy,
     LayerObservation,
@@ -29,6 +30,7 @@ from probkv.selection import RaggedSelection
 
 LAYER_BUDGETS = ("uniform", "pyramid", "global")
 HEAD_BUDGETS = ("uniform", "ada")
+SCOPES = ("head", model_wide.SCOPE)
 ADA_ALPHA = 0.2  # Ada-KV's safeguard, as its reference code
 PYRAMID_BETA = 20.0  # PyramidKV's ratio of the first layer's budget to the last's
 
@@ -56,6 +58,11 @@ class TopKPolicy(EvictionPolicy):
       0 (default) keeps the H2O of S5, pure accumulated attention (S5).
     - ``pool``: max-pool the log-scores over positions with this odd kernel first (S10; 1 =
       none, the default), as ``prob:<score>/pool=k`` does: the matched top-k baseline.
+    - ``scope="model"`` (S11): one kept set of whole blocks of ``block`` positions (default
+      16) for every layer and head, the top ``k`` blocks by ``aggregate`` (``"sum"``, default,
+      or ``"max"``) of each head's softmax mass of its (pooled) log-scores in the block
+      (``probkv.model_blocks``); uniform layer and head budgets only. Not layerwise.
+      ``block`` and ``aggregate`` are ``None`` with ``scope="head"``.
     """
 
     layer_budgets: str = "uniform"
@@ -64,11 +71,28 @@ class TopKPolicy(EvictionPolicy):
     beta: float | None = None  # None: PYRAMID_BETA with layer_budgets="pyramid"
     recent: float = 0.0
     pool: int = 1
+    scope: str = "head"
+    block: int | None = None  # None: model_wide.DEFAULT_BLOCK with scope="model"
+    aggregate: str | None = None  # None: model_wide.DEFAULT_AGGREGATE with scope="model"
 
     def __post_init__(self) -> None:
         validate_common(self)
         check_choice(self.layer_budgets, LAYER_BUDGETS, "layer_budgets")
         check_choice(self.head_budgets, HEAD_BUDGETS, "head_budgets")
+        check_choice(self.scope, SCOPES, "scope")
+        block, aggregate = model_wide.check_options(
+            self.scope, self.block, self.aggregate, where="top-k"
+        )
+        object.__setattr__(self, "block", block)
+        object.__setattr__(self, "aggregate", aggregate)
+        if self.scope == model_wide.SCOPE:
+            for key in ("layer_budgets", "head_budgets"):
+                if getattr(self, key) != "uniform":
+                    raise ValueError(
+                        f"{key}={getattr(self, key)!r} with scope='model': one set of blocks "
+                        "for every layer and head has no layer or head budgets (uniform only; "
+                        "for KVzip's scores use topk:kvzip/scope=model)"
+                    )
         self._check_alpha_beta()
         recent = check_fraction(self.recent, "recent", what="share of the budget kept recent")
         object.__setattr__(self, "recent", recent)
@@ -76,7 +100,7 @@ class TopKPolicy(EvictionPolicy):
 
     # alpha's and beta's defaults follow the budgets: method names compare them with a policy
     # of the same budgets
-    DEFAULTS_DEPEND_ON = ("layer_budgets", "head_budgets")
+    DEFAULTS_DEPEND_ON = ("layer_budgets", "head_budgets", "scope")
 
     def _check_alpha_beta(self) -> None:
         """``alpha`` with Ada-KV head budgets only, ``beta`` with pyramid layers only."""
@@ -107,7 +131,7 @@ class TopKPolicy(EvictionPolicy):
 
     @property
     def layerwise(self) -> bool:
-        return self.layer_budgets != "global" and super().layerwise
+        return self.layer_budgets != "global" and self.scope == "head" and super().layerwise
 
     def layer_budget(self, obs: LayerObservation, num_layers: int) -> int:
         """Kept entries per head of this layer (before the head allocation)."""
@@ -126,6 +150,8 @@ class TopKPolicy(EvictionPolicy):
     ) -> list[RaggedSelection]:
         if self.layer_budgets == "global" and self.head_budgets == "ada" and self.ratio > 0:
             return self._select_global(observations)
+        if self.scope == model_wide.SCOPE and self.ratio > 0:
+            return self._select_model(observations)
         out = []
         for obs in observations:
             if self.ratio == 0.0:
@@ -189,3 +215,24 @@ class TopKPolicy(EvictionPolicy):
             out.append(budgets.topk_per_head(ls, head_budgets[first : first + h], forced=f))
             first += h
         return out
+
+    def _select_model(self, observations: Sequence[LayerObservation]) -> list[RaggedSelection]:
+        """S11: the top blocks by the aggregate of every head's softmax mass of its (pooled)
+        log-scores, the same blocks for every layer and head; forced entries' blocks kept."""
+        t = model_wide.common_length(observations)
+        per_head = budgets.uniform_budget(t, self.ratio)
+        observations = [
+            with_recent(obs, recent_count(self.recent, per_head)) for obs in observations
+        ]
+        pis = []
+        for obs in observations:
+            pooled = proposals.max_pool_log_scores(obs.log_scores, self.pool, forced=obs.forced)
+            pis.append(proposals.proposal_from_log_scores(pooled, forced=obs.forced))
+        return model_wide.select(
+            observations,
+            pis,
+            ratio=self.ratio,
+            block=self.block,
+            aggregate=self.aggregate,
+            choose=lambda mass, forced, k: (model_blocks.top_blocks(mass, forced, k), None),
+        )
