@@ -1,6 +1,6 @@
 """Speed and memory of probkv's chunked causal attention kernel (S2 chunking).
 
-``probkv.attention.causal_attention_with_column_sums`` runs inside the prefill attention of
+``probkv.scores.column_sums.causal_attention_with_column_sums`` runs inside the prefill attention of
 every layer when a policy needs attention statistics, so it is timed against what the layer
 would run anyway: ``torch.nn.functional.scaled_dot_product_attention(..., is_causal=True)`` on
 4-D inputs (the CPU flash kernel; 3-D inputs fall back to the much slower math path), both
@@ -37,7 +37,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from probkv.attention import (
+from probkv.models.dtypes import dtype_name
+from probkv.scores.column_sums import (
     CPU_CHUNK_ROWS,
     attention_with_log_normalisers,
     causal_attention_with_column_sums,
@@ -45,7 +46,6 @@ from probkv.attention import (
     default_chunk_size,
     harmonic_row_weights,
 )
-from probkv.dtypes import dtype_name
 
 HQ, HKV, D = 9, 3, 64  # SmolLM2-135M
 

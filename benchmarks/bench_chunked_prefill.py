@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from probkv.dtypes import DTYPE_CHOICES
+from probkv.models.dtypes import DTYPE_CHOICES
 
 
 def rss_mib() -> float:
@@ -36,9 +36,9 @@ def rss_mib() -> float:
 
 def run_one(args: argparse.Namespace) -> dict:
     """One variant, in this process: generate, then report memory, time and fingerprints."""
-    from probkv.dtypes import resolve_dtype
     from probkv.hf import ProbKVCache, prepare_model
     from probkv.models import load_model
+    from probkv.models.dtypes import resolve_dtype
     from probkv.policies import parse_method
 
     torch.set_num_threads(args.threads)
@@ -95,7 +95,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
-        "--dtype", choices=DTYPE_CHOICES, default="auto", help="model dtype (probkv.dtypes)"
+        "--dtype", choices=DTYPE_CHOICES, default="auto", help="model dtype (probkv.models.dtypes)"
     )
     args = parser.parse_args()
     if args.one:

@@ -28,7 +28,7 @@ from probkv.policies import FullCache, parse_method
 
 def build(args):
     if args.tiny:  # smoke mode: a tiny random model and random ids
-        from probkv.testing import tiny_model
+        from probkv.models.testing import tiny_model
 
         model = tiny_model("llama")
         ids = torch.randint(0, 200, (1, args.prompt + args.tokens))

@@ -14,7 +14,7 @@ Prints, in one run (one torch thread by default, ``--threads``):
    of top-k and of sampled eviction with and without correction, in each dtype.
 
 What ``--dtype auto`` resolves to on this machine (and why) is printed first
-(:mod:`probkv.dtypes`). Absolute times depend on the machine and its load; read the ratios.
+(:mod:`probkv.models.dtypes`). Absolute times depend on the machine and its load; read the ratios.
 
     .venv/bin/python benchmarks/bench_dtype.py [--length 2048] [--per-task 4]
         [--methods full,snapkv,prob:min-h] [--ratio 0.5] [--out bench-dtype-out]
@@ -32,7 +32,6 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from probkv.dtypes import MODEL_DTYPES, cpu_has_native_bfloat16, resolve_dtype_name
 from probkv.eval import attention_error as ae
 from probkv.eval.attention_prompts import decode_tokens, text_prompt
 from probkv.eval.paper_prompt import PAPER_QUESTION, PAPER_TEXT
@@ -40,6 +39,7 @@ from probkv.eval.runner import RunConfig, run_eval
 from probkv.eval.store import RESULTS_FILE, read_results
 from probkv.hf import prepare_model
 from probkv.models import load_model
+from probkv.models.dtypes import MODEL_DTYPES, cpu_has_native_bfloat16, resolve_dtype_name
 
 DTYPES = ("float32", "bfloat16")
 TASKS = "niah_single_1,niah_single_2,niah_multikey_1"

@@ -4,12 +4,12 @@ The decision of ``prob:min-h`` with the global budget scope, for SmolLM2-135M's 
 Hq = 9 query heads, Hkv = 3 KV heads, head dim 64), on random float32 tensors, in three stages:
 
   (a) the ``min-h`` proposal of all 30 layers (S2): harmonic-weighted causal column sums in row
-      chunks (``probkv.scores``, via ``probkv.attention.causal_attention_with_column_sums``), times
+      chunks (``probkv.scores``, via ``probkv.scores.column_sums.causal_attention_with_column_sums``), times
       the value norms, GQA mixture, floor, then ``proposal_from_log_scores``;
   (b) one number of samples ``m`` for all heads of all layers
-      (``probkv.sample_size.samples_for_ratio_global``, S3);
+      (``probkv.sampling.sample_size.samples_for_ratio_global``, S3);
   (c) per layer: the counts (``sample_counts``), the kept set, the importance log-weights
-      (``estimator.counts_log_weights`` / ``inclusion_log_weights``, S4/S9) and the flattened ``RaggedSelection`` the cache stores.
+      (``estimation.counts_log_weights`` / ``inclusion_log_weights``, S4/S9) and the flattened ``RaggedSelection`` the cache stores.
 
 (a) is timed once per layer on 30 different layers and summed; every other figure is the best of
 ``--reps`` calls. Two costs of (a) are reported. Stand-alone: the proposal computed on its own
@@ -71,12 +71,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from probkv import estimator, sample_size, sampling, scores
-from probkv.attention import attention_rows, causal_attention_with_column_sums, harmonic_row_weights
+from probkv import estimation, sampling, scores
+from probkv.estimation.selection import RaggedSelection
 from probkv.policies import ProbabilisticPolicy
 from probkv.policies.base import LayerObservation
-from probkv.proposals import proposal_from_log_scores
-from probkv.selection import RaggedSelection
+from probkv.sampling import sample_size
+from probkv.scores.column_sums import (
+    attention_rows,
+    causal_attention_with_column_sums,
+    harmonic_row_weights,
+)
+from probkv.scores.proposals import proposal_from_log_scores
 
 LAYERS, HQ, HKV, D = 30, 9, 3, 64  # SmolLM2-135M
 SCALE = D**-0.5
@@ -160,9 +165,9 @@ def sample_and_weigh(
         counts = sampling.sample_counts(pi, m, gen)
         kept = counts > 0
         if weights == "counts":
-            lw = estimator.counts_log_weights(pi, kept, counts, num_samples=m)
+            lw = estimation.counts_log_weights(pi, kept, counts, num_samples=m)
         else:
-            lw = estimator.inclusion_log_weights(pi, kept, m, counts=counts)
+            lw = estimation.inclusion_log_weights(pi, kept, m, counts=counts)
         out.append(RaggedSelection.from_masks(kept, lw))
     return out
 
@@ -363,9 +368,9 @@ def prefill_comparison(t: int, args: argparse.Namespace) -> dict:
     Both use ``logits_to_keep=1``; rounds alternate between the two so that load from other
     processes falls on both alike; best of ``args.prefill_reps`` each (seconds).
     """
-    from probkv.dtypes import resolve_dtype
     from probkv.hf import ProbKVCache, prepare_model
     from probkv.models import load_model
+    from probkv.models.dtypes import resolve_dtype
 
     model, _ = load_model(
         "smollm2-135m", dtype=resolve_dtype(args.dtype), attn_implementation="sdpa"
@@ -424,7 +429,7 @@ def main() -> None:
         "--dtype",
         choices=("auto", "float32", "bfloat16"),
         default="auto",
-        help="SmolLM2's dtype in the prefill comparison (probkv.dtypes)",
+        help="SmolLM2's dtype in the prefill comparison (probkv.models.dtypes)",
     )
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--memory-child", help=argparse.SUPPRESS)

@@ -35,17 +35,17 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from probkv.attention import (
+from probkv.hf import ProbKVCache, observe, prepare_model
+from probkv.models import load_model
+from probkv.models.dtypes import DTYPE_CHOICES, MODEL_DTYPES, resolve_dtype_name
+from probkv.models.testing import TINY_ARCHITECTURES, tiny_model
+from probkv.policies import parse_method
+from probkv.scores.column_sums import (
     attention_with_log_normalisers,
     causal_attention_with_column_sums,
     column_sums_from_log_normalisers,
     harmonic_row_weights,
 )
-from probkv.dtypes import DTYPE_CHOICES, MODEL_DTYPES, resolve_dtype_name
-from probkv.hf import ProbKVCache, observe, prepare_model
-from probkv.models import load_model
-from probkv.policies import parse_method
-from probkv.testing import TINY_ARCHITECTURES, tiny_model
 
 PREFILL_METHODS = ["snapkv", "h2o", "prob:min-h", "prob:h2o"]
 DECODE_METHODS = ["prob:min-h", "prob:min-h/correct=false"]

@@ -23,7 +23,7 @@ run:
 
 Threads: one torch thread by default (``--threads``); on the 2-core VMs one thread per process
 was measured faster than two in one process. Absolute times depend on the machine; read ratios.
-``--dtype`` (default auto, :mod:`probkv.dtypes`) is the model's dtype.
+``--dtype`` (default auto, :mod:`probkv.models.dtypes`) is the model's dtype.
 
     .venv/bin/python benchmarks/bench_integration.py [--lengths 2048,4096,8192]
         [--decode-tokens 32] [--ratios 0.5,0.75] [--repeats 2] [--scores all]
@@ -41,11 +41,11 @@ import time
 import torch
 from transformers import DynamicCache
 
-from probkv.cli_args import ratio_list
-from probkv.dtypes import DTYPE_CHOICES, MODEL_DTYPES, resolve_dtype_name
+from probkv.cli.args import ratio_list
 from probkv.hf import ProbKVCache, compress, observe, prepare_model, repeat_prompt
-from probkv.hf.surrogate import has_scorer
+from probkv.hf.scorer import has_scorer
 from probkv.models import load_model
+from probkv.models.dtypes import DTYPE_CHOICES, MODEL_DTYPES, resolve_dtype_name
 from probkv.policies import parse_method
 from probkv.scores import SCORE_NAMES
 

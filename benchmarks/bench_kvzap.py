@@ -27,10 +27,10 @@ import time
 import torch
 from transformers import DynamicCache
 
-from probkv.cli_args import ratio_list
-from probkv.dtypes import DTYPE_CHOICES, resolve_dtype, resolve_dtype_name
+from probkv.cli.args import ratio_list
 from probkv.hf import compress, prepare_model, repeat_prompt
 from probkv.models import load_model
+from probkv.models.dtypes import DTYPE_CHOICES, resolve_dtype, resolve_dtype_name
 from probkv.policies import parse_method
 
 
@@ -65,7 +65,10 @@ def main() -> None:
         "--ratios", type=ratio_list, default=[0.5], help="compression ratios, comma-separated"
     )
     parser.add_argument(
-        "--dtype", choices=DTYPE_CHOICES, default="bfloat16", help="model dtype (probkv.dtypes)"
+        "--dtype",
+        choices=DTYPE_CHOICES,
+        default="bfloat16",
+        help="model dtype (probkv.models.dtypes)",
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -1,7 +1,7 @@
 """Cost of verifying a converted model against its digests, as a ratio to loading it (issue 11).
 
 Every load of a converted model (probkv.models) re-hashes its folder against the manifest
-(probkv.model_files, sha256). This prints, measured side by side in one run (alternating,
+(probkv.models.files, sha256). This prints, measured side by side in one run (alternating,
 best of ``--repeats``, the page cache warm for both):
 
 - ``verify``: hashing every file of the converted folder (the per-process memo cleared);
@@ -25,8 +25,9 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from probkv import model_files, models
-from probkv.dtypes import DTYPE_CHOICES, resolve_dtype
+from probkv import models
+from probkv.models import files as model_files
+from probkv.models.dtypes import DTYPE_CHOICES, resolve_dtype
 
 
 def _timed(fn) -> float:
@@ -51,7 +52,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument(
-        "--dtype", choices=DTYPE_CHOICES, default="auto", help="model dtype (probkv.dtypes)"
+        "--dtype", choices=DTYPE_CHOICES, default="auto", help="model dtype (probkv.models.dtypes)"
     )
     args = parser.parse_args()
     dtype = resolve_dtype(args.dtype)

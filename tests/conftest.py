@@ -62,7 +62,7 @@ def load_benchmark():
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> str:
     """A saved tiny random Llama with its tokenizer: a model folder any command can load."""
-    from probkv.testing import save_tiny_model_folder
+    from probkv.models.testing import save_tiny_model_folder
 
     folder = tmp_path_factory.mktemp("tiny-llama")
     return str(save_tiny_model_folder(folder, "llama", max_position_embeddings=4096))

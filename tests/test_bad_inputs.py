@@ -4,7 +4,7 @@ traceback or a silently wrong answer.
 Cases that a user meets on the command line run the CLI in a subprocess and check its exit
 status and stderr (no "Traceback"); the rest call the Python API. Every model cache is a
 temporary folder (``PROBKV_CACHE_DIR``): the shared cache in ~/.cache/probkv is never touched.
-Models are the tiny GGUF of probkv.testing (a conversion takes well under a second).
+Models are the tiny GGUF of probkv.models.testing (a conversion takes well under a second).
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import probkv
 from probkv import models
 from probkv.eval.data import load_examples
 from probkv.eval.examples import ContextTooLongError, check_context_fits, fit_context
-from probkv.model_files import MANIFEST_NAME, InvalidGGUFError
 from probkv.models import CACHE_ENV
-from probkv.testing import TINY_EOS_ID, tiny_model, write_tiny_gguf
+from probkv.models.files import MANIFEST_NAME, InvalidGGUFError
+from probkv.models.testing import TINY_EOS_ID, tiny_model, write_tiny_gguf
 
 SRC = str(Path(probkv.__file__).resolve().parents[1])
 
@@ -65,7 +65,7 @@ def _run(args: list[str], cache: Path, *, script: str | None = None, cwd: Path |
     code = (
         script
         if script is not None
-        else "import sys; from probkv.cli import main; sys.exit(main())"
+        else "import sys; from probkv.cli.main import main; sys.exit(main())"
     )
     return subprocess.run(
         [sys.executable, "-c", code, "--threads", "1", *args],
@@ -150,7 +150,7 @@ _FAKE_REGISTRY = textwrap.dedent(
     import sys
     sys.path.insert(0, {site!r})
     from probkv import models
-    from probkv.cli import main
+    from probkv.cli.main import main
     models.REGISTRY["fake"] = models.ModelSpec(
         "fake", "a tiny test model", "pip install fake-pkg==1",
         (("fake_pkg", "tiny.gguf"),), "tiny.gguf", {sha!r})
@@ -574,7 +574,7 @@ def _method_specs() -> list[str]:
     specs = []
     for name in method_names():
         score = parse_method(name, 0.5).score
-        # kvzap needs a scorer trained for the model (S11; tests/test_hf_surrogate.py)
+        # kvzap needs a scorer trained for the model (S11; tests/hf/test_scorer.py)
         if name == "full" or needs_reconstruction(score) or score == "kvzap":
             continue
         options = _PROB_OPTIONS if name.startswith("prob:") else _TOPK_OPTIONS
@@ -740,11 +740,11 @@ def test_chunked_prefill_of_a_harmonic_score_is_refused_by_name(tiny_llama):
 # this script's run with status 2 refused the input before any model was loaded.
 NO_LOAD = """
 import sys
-import probkv.models, probkv.cli, probkv.eval.job
+import probkv.models, probkv.cli.main, probkv.eval.job
 def refuse(*args, **kwargs):
     print("a model was loaded", file=sys.stderr)
     sys.exit(99)
-probkv.models.load_model = probkv.cli.load_model = probkv.eval.job.load_model = refuse
+probkv.models.load_model = probkv.cli.main.load_model = probkv.eval.job.load_model = refuse
 sys.exit(probkv.cli.main())
 """
 
@@ -765,7 +765,7 @@ def test_cli_generate_prompt_beyond_the_positions_is_refused_before_loading(cach
 
 @pytest.fixture
 def model_folder(tmp_path) -> Path:
-    from probkv.testing import save_tiny_model_folder
+    from probkv.models.testing import save_tiny_model_folder
 
     return save_tiny_model_folder(tmp_path / "folder", "llama")
 
@@ -800,7 +800,7 @@ def test_cli_damaged_model_folder_names_the_file(kind, model_folder, cache):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_api_damaged_model_folder_is_a_value_error(kind, model_folder):
-    from probkv.model_files import InvalidModelFolderError
+    from probkv.models.files import InvalidModelFolderError
 
     bad, wording = _damage_folder(model_folder, kind)
     with pytest.raises(InvalidModelFolderError) as err:
@@ -859,8 +859,8 @@ def test_cli_empty_out_is_refused_and_nothing_is_written(tmp_path, cache, gguf):
 
 
 def test_every_command_refuses_absurd_threads(capsys):
-    from probkv import cli
-    from probkv.cli_args import max_threads
+    from probkv.cli import main as cli
+    from probkv.cli.args import max_threads
 
     parser = cli.build_parser()
     commands = parser._subparsers._group_actions[0].choices
@@ -903,7 +903,7 @@ def test_cli_corrupted_examples_file_names_file_and_line(tmp_path, cache, gguf):
 # what ACTION says, at a row boundary the test chooses (no timing involved).
 STOP_AFTER_ROWS = """
 import errno, os, signal, sys
-import probkv.cli, probkv.eval.runner as runner
+import probkv.cli.main, probkv.eval.runner as runner
 STOP, ACTION = {stop}, {action!r}
 written = []
 real_append = runner.append_row
@@ -991,7 +991,7 @@ def test_cli_long_decode_out_and_text_are_checked_before_loading(tmp_path, cache
 
 
 def test_every_command_that_loads_a_model_takes_dtype(gguf):
-    from probkv import cli
+    from probkv.cli import main as cli
 
     parser = cli.build_parser()
     commands = parser._subparsers._group_actions[0].choices

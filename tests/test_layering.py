@@ -1,15 +1,22 @@
 """The layers of docs/architecture.md, checked on every module of probkv (found, not listed).
 
-- maths (every top-level module but ``models``, ``testing`` and ``cli``) imports neither
-  transformers nor probkv's policies, integration, evaluation, model loading or CLI;
+A module's layer is the first entry of ``LAYERS`` whose package prefix it has; a module in none
+fails the test, so a new top-level module must be placed in a layer (nothing is "maths" by
+default). Then:
+
+- maths (the packages ``scores``, ``sampling``, ``estimation``, ``budgets`` and the shared input
+  checks) imports neither transformers nor probkv's policies, integration, evaluation, model
+  loading or CLI;
 - the policies import neither transformers nor the integration, evaluation, models or CLI;
 - the evaluation never touches transformers' attention registry nor switches a model's
   attention implementation: it runs models through the integration (``probkv.hf``);
-- no two probkv modules import each other, directly or through others.
+- no two probkv modules import each other, directly or through others;
+- no two modules in different layers share a name (``probkv.hf.attention`` and a maths
+  ``attention`` would read as one thing).
 
-Each rule is checked statically on the source (every import statement, inside functions too,
-so a lazy import cannot hide), and the first two also at runtime in a fresh interpreter (what
-importing a module really loads, through every module it imports).
+Each import rule is checked statically on the source (every import statement, inside
+functions too, so a lazy import cannot hide), and the first two also at runtime in a fresh
+interpreter (what importing a module really loads, through every module it imports).
 """
 
 from __future__ import annotations
@@ -24,11 +31,27 @@ from pathlib import Path
 
 import probkv
 
-NOT_MATHS = ("probkv.models", "probkv.testing", "probkv.cli")
-HIGHER_LAYERS = ("probkv.policies", "probkv.hf", "probkv.eval", *NOT_MATHS)
+# layer -> the package prefixes it consists of, in the order of docs/architecture.md
+LAYERS = {
+    "maths": (
+        "probkv._checks",
+        "probkv.scores",
+        "probkv.sampling",
+        "probkv.estimation",
+        "probkv.budgets",
+    ),
+    "policies": ("probkv.policies",),
+    "hf": ("probkv.hf",),
+    "models": ("probkv.models",),
+    "eval": ("probkv.eval",),
+    "cli": ("probkv.cli",),
+}
+HIGHER_LAYERS = tuple(
+    p for name in ("policies", "hf", "models", "eval", "cli") for p in LAYERS[name]
+)
 FORBIDDEN = {
     "maths": ("transformers", *HIGHER_LAYERS),
-    "policies": ("transformers", *HIGHER_LAYERS[1:]),
+    "policies": ("transformers", *(p for p in HIGHER_LAYERS if p != "probkv.policies")),
 }
 # transformers' attention registry and implementation switch: only probkv.hf may use them.
 ATTENTION_REGISTRY = {
@@ -55,9 +78,13 @@ MODULES = discover()
 
 
 def layer(module: str) -> str:
-    if module.startswith(HIGHER_LAYERS):
-        return next(p for p in HIGHER_LAYERS if module.startswith(p)).removeprefix("probkv.")
-    return "root" if module == "probkv" else "maths"
+    """The layer whose package prefix ``module`` has; ``"root"`` for ``probkv`` itself."""
+    if module == "probkv":
+        return "root"
+    for name, prefixes in LAYERS.items():
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return name
+    raise AssertionError(f"{module} is in no layer of LAYERS: place it in docs/architecture.md's")
 
 
 def imports(module: str) -> dict[str, bool]:
@@ -84,15 +111,36 @@ def imports(module: str) -> dict[str, bool]:
     return found
 
 
-def test_modules_are_discovered():
+def test_modules_are_discovered_and_each_is_in_a_layer():
     assert {
         "probkv.scores",
+        "probkv.sampling.designs",
         "probkv.policies.base",
         "probkv.hf.cache",
         "probkv.eval.runner",
     } <= set(MODULES)
-    assert layer("probkv.scores") == "maths" and layer("probkv.hf.cache") == "hf"
-    assert layer("probkv.testing") == "testing"
+    layers = {m: layer(m) for m in MODULES}  # raises for a module in no layer
+    assert layers["probkv.scores"] == "maths" and layers["probkv.hf.cache"] == "hf"
+    assert layers["probkv.models.testing"] == "models" and layers["probkv.cli.main"] == "cli"
+    assert set(layers.values()) == {"root", *LAYERS}
+
+
+def test_a_module_outside_every_layer_is_refused():
+    try:
+        layer("probkv.somewhere_new")
+    except AssertionError as err:
+        assert "no layer" in str(err)
+    else:
+        raise AssertionError("a module in no layer was given one")
+
+
+def test_no_two_layers_share_a_module_name():
+    by_name: dict[str, set[str]] = {}
+    for module in MODULES:
+        leaf = module.rpartition(".")[2]
+        if leaf != "__init__" and layer(module) != "root" and not leaf.startswith("_"):
+            by_name.setdefault(leaf, set()).add(layer(module))
+    assert {n: sorted(ls) for n, ls in by_name.items() if len(ls) > 1} == {}
 
 
 def test_no_forbidden_import_statements():

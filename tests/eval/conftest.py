@@ -14,7 +14,7 @@ import pytest
 from probkv.eval import generate_examples, write_examples
 from probkv.eval.config import RunConfig
 from probkv.eval.plan import job_key
-from probkv.testing import save_tiny_model_folder, tiny_tokenizer
+from probkv.models.testing import save_tiny_model_folder, tiny_tokenizer
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 import probkv.hf.eviction as eviction_module
-from probkv import estimator
+from probkv import estimation
 from probkv.eval import attention_error as ae
 from probkv.eval.attention_error_cli import float_list, format_table
 from probkv.eval.paper_prompt import PAPER_QUESTION, PAPER_TEXT
 from probkv.hf import compress, observe, prepare_model
+from probkv.models.testing import save_tiny_model_folder, tiny_model, tiny_tokenizer
 from probkv.policies import ProbabilisticPolicy, TopKPolicy, parse_method
-from probkv.testing import save_tiny_model_folder, tiny_model, tiny_tokenizer
 
 torch.set_num_threads(1)
 
@@ -124,7 +124,7 @@ def test_decode_output_matches_algorithm_1_literally(llama):
         g = c.query.shape[0] // c.key.shape[0]
         for h in range(c.query.shape[0]):
             idx, lw = selection.head(h // g)
-            slow = estimator.corrected_attention_reference(
+            slow = estimation.corrected_attention_reference(
                 c.query[h, position],
                 c.key[h // g, idx],
                 c.value[h // g, idx],
@@ -234,7 +234,7 @@ def reference_first_step_mae(model, policy) -> float:
             full = torch.softmax(c.scale * k.double() @ q, -1) @ v.double()
             idx, lw = selection.head(h // g)
             lw = torch.zeros(idx.numel()) if lw is None else lw
-            est = estimator.corrected_attention_reference(
+            est = estimation.corrected_attention_reference(
                 q, k[idx], v[idx], lw, k[T:], v[T:], scale=c.scale
             )
             errors.append(float((full - est).abs().mean()))
@@ -283,7 +283,7 @@ def test_step_one_rows_match_the_slow_reference(llama):
 def test_ratio_zero_has_zero_error_and_positive_ratios_positive_error(llama, sampler):
     """r = 0 keeps everything with weight 1 (S1): every estimator is exact at step 1 and
     within float32 rounding (probkv's kernel vs SDPA) after compounding. r > 0 evicts: the
-    error is positive for every estimator."""
+    error is positive for every estimation."""
     rows = ae.measure_attention_error(
         llama, CONTEXT, DECODE, ratios=[0.0, 0.5], taus=[1.0, 5.0], seeds=2, steps=2,
         sampler=sampler, weights=None if sampler == "pps" else "inclusion",
@@ -434,7 +434,7 @@ def test_decode_tokens_are_the_forced_tokens_then_the_greedy_continuation(llama)
 
 
 def test_cli_is_wired_and_parses_lists():
-    from probkv import cli
+    from probkv.cli import main as cli
 
     args = cli.build_parser().parse_args(["attention-error", "--out", "x.json"])
     assert args.ratios == [0.25, 0.5, 0.75, 0.9] and args.taus == [1, 2, 5, 10, 50]
@@ -457,7 +457,7 @@ def test_cli_is_wired_and_parses_lists():
 def test_cli_end_to_end_on_a_tiny_model_folder(tmp_path, capsys):
     """The whole command on a saved tiny model: prompt file, chat format, compounded steps,
     the model in bfloat16 (recorded in the header)."""
-    from probkv import cli
+    from probkv.cli import main as cli
 
     folder = save_tiny_model_folder(tmp_path / "tiny", "qwen2")
     text = tmp_path / "prompt.txt"

@@ -9,10 +9,10 @@ import json
 import pytest
 import torch
 
-from probkv import cli
+from probkv.cli import main as cli
 from probkv.eval import commands, demo, generate_examples, write_examples
 from probkv.eval.store import CONFIG_FILE, RESULTS_FILE, read_results
-from probkv.testing import tiny_tokenizer
+from probkv.models.testing import tiny_tokenizer
 
 torch.set_num_threads(1)
 

@@ -50,8 +50,8 @@ def test_config_canonicalises_and_checks():
 
 
 def test_dtype_is_resolved_and_part_of_the_identity(monkeypatch):
-    from probkv import dtypes
     from probkv.eval.config import IDENTITY_KEYS, config_identity, stored_identity
+    from probkv.models import dtypes
 
     base = {"model": "m", "methods": ("snapkv",), "ratios": (0.5,), "tasks": ("vt",)}
     base["lengths"] = (100,)

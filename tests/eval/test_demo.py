@@ -10,7 +10,7 @@ from probkv.eval.plan import plan_units
 from probkv.eval.store import RESULTS_FILE, SUMMARY_MD
 from probkv.eval.summary import summarize
 from probkv.models import DEFAULT_MODEL
-from probkv.testing import save_tiny_model_folder
+from probkv.models.testing import save_tiny_model_folder
 
 torch.set_num_threads(1)
 

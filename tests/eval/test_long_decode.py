@@ -7,9 +7,10 @@ import json
 import pytest
 import torch
 
-from probkv import cli, models
+from probkv import models
+from probkv.cli import main as cli
 from probkv.eval.long_decode import LongDecodeConfig, long_decode, prose_text, summarise
-from probkv.testing import tiny_model, write_tiny_gguf
+from probkv.models.testing import tiny_model, write_tiny_gguf
 
 
 def test_rows_compare_every_method_to_the_full_cache():

@@ -11,13 +11,13 @@ import torch
 from probkv.eval import attention_error as ae
 from probkv.eval import method_attention_error as mae
 from probkv.hf import RepeatPrompt, compress, prepare_model
+from probkv.models.testing import save_tiny_model_folder, tiny_model
 from probkv.policies import parse_method
-from probkv.testing import save_tiny_model_folder, tiny_model
 
 torch.set_num_threads(1)
 
 T = 40  # prompt length of the tiny-model tests
-# a reconstruction prompt in the tiny vocabulary (S10.1), as tests/test_hf_reconstruction.py
+# a reconstruction prompt in the tiny vocabulary (S10.1), as tests/hf/test_reconstruct.py
 REPEAT = RepeatPrompt(first=(7, 8, 9), later=(10, 11), suffix=(12, 13))
 
 
@@ -182,7 +182,7 @@ def test_mean_over_examples_counts_wins_against_the_top_k_version():
 def test_cli_end_to_end_on_a_tiny_model_folder(tmp_path, capsys):
     """The command on a saved tiny model and a probkv-format data file: the question is fed
     after eviction, the header records the examples, the summary compares prob with top-k."""
-    from probkv import cli
+    from probkv.cli import main as cli
 
     folder = save_tiny_model_folder(tmp_path / "tiny", "llama")
     data = tmp_path / "data.jsonl"

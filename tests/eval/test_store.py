@@ -51,7 +51,7 @@ def test_read_results_repairs_only_a_cut_last_line(tmp_path):
 KILL_AT = 5
 KILL_BEFORE_ROW = f"""
 import os, signal, sys
-import probkv.cli, probkv.eval.runner as runner
+import probkv.cli.main, probkv.eval.runner as runner
 written = 0
 real_append = runner.append_row
 def append_row(f, row):

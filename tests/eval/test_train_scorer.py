@@ -14,16 +14,16 @@ import inspect
 import pytest
 import torch
 
-from probkv import surrogate as sg
-from probkv.cli import build_parser, main
+from probkv.cli.main import build_parser, main
 from probkv.eval import attention_prompts, demo
 from probkv.eval import train_scorer as ts
 from probkv.eval.config import RunConfig
 from probkv.eval.tasks import TASK_NAMES
 from probkv.eval.tasks.generate import generate_examples
 from probkv.hf import compress, prepare_model
+from probkv.models.testing import save_tiny_model_folder, tiny_model, tiny_tokenizer
 from probkv.policies import parse_method
-from probkv.testing import save_tiny_model_folder, tiny_model, tiny_tokenizer
+from probkv.scores import surrogate as sg
 
 LENGTH = 700
 

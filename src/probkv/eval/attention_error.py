@@ -23,12 +23,12 @@ Two measurements (rows' ``step``):
   full-cache forward over ``x, d_1, ..., d_N`` (teacher forced, ``N = max(steps, 1)``) is
   captured; every layer's real post-RoPE queries, keys and values come from it (causal: its
   first ``t`` rows are exactly the prefill of ``x``). Each policy selects from those tensors
-  through the integration's own eviction path: ``probkv.observation.observe_layer`` on the
+  through the integration's own eviction path: ``probkv.scores.observation.observe_layer`` on the
   first ``t`` rows, then ``probkv.policies.select_layers`` (per layer in head scope, all layers
   at once in global scope), so the kept sets are those ``probkv.hf.compress`` keeps for the
   same tensors (tests/eval/test_attention_error.py checks it). The decode query of
   ``d_1`` attends to the kept prefix entries (logits ``+ log w``) and to itself (no weight),
-  ``probkv.estimator.corrected_attention``. The reference ``o`` is the same function with every
+  ``probkv.estimation.corrected_attention``. The reference ``o`` is the same function with every
   entry kept and no weight. So layer ``l``'s inputs are the full model's, errors do not add up
   across layers: this is the paper's Eq. 11.
 - ``step = "1..N"`` (string, with ``--steps N``): compounded decode error. The full-cache
@@ -67,7 +67,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from probkv import estimator, scores
+from probkv import estimation, scores
 from probkv._checks import (
     check_choice,
     check_positive_int,
@@ -75,6 +75,7 @@ from probkv._checks import (
     check_tau,
     check_token_ids,
 )
+from probkv.estimation.selection import RaggedSelection
 from probkv.eval.attention_prompts import (
     PROMPT_FORMATS,
     AttentionPrompt,
@@ -83,7 +84,6 @@ from probkv.eval.attention_prompts import (
     paper_prompt,
     text_prompt,
 )
-from probkv.observation import observe_layer
 from probkv.policies import (
     EvictionPolicy,
     FullCache,
@@ -93,7 +93,7 @@ from probkv.policies import (
     select_layers,
 )
 from probkv.policies.probabilistic import SAMPLERS, SCOPES
-from probkv.selection import RaggedSelection
+from probkv.scores.observation import observe_layer
 
 if TYPE_CHECKING:
     from probkv.hf import LayerCapture
@@ -178,7 +178,7 @@ DEFINITIONS = {
 
 def evicting_layers(model) -> list[int]:
     """Indices of the layers probkv evicts (global attention), as ``ProbKVCache`` picks them."""
-    from probkv import hf  # transformers, imported on use (see the module note)
+    from probkv import hf  # transformers, imported on use (see the module note
 
     return list(hf.ProbKVCache(model.config, FullCache()).evicting_layers)
 
@@ -224,7 +224,7 @@ def prefix_log_weights(selection: RaggedSelection, length: int) -> torch.Tensor:
 def decode_output(capture: LayerCapture, log_weights: torch.Tensor, position: int) -> torch.Tensor:
     """``[Hq, d_v]`` float32: the output of captured query row ``position`` (``>= t``) over the
     prefix entries ``0..t-1`` with ``log_weights [Hkv, t]`` (S4; ``-inf`` = evicted) and every
-    entry ``t..position`` with no weight, one softmax (``estimator.corrected_attention``)."""
+    entry ``t..position`` with no weight, one softmax (``estimation.corrected_attention``)."""
     h, t = log_weights.shape
     n = position + 1
     if not t <= position < capture.key.shape[1]:
@@ -232,7 +232,7 @@ def decode_output(capture: LayerCapture, log_weights: torch.Tensor, position: in
     device = capture.key.device
     lw = torch.cat([log_weights.to(device), torch.zeros(h, n - t, device=device)], dim=1)
     query = capture.query[:, position : position + 1].float()
-    out = estimator.corrected_attention(
+    out = estimation.corrected_attention(
         query, capture.key[:, :n].float(), capture.value[:, :n].float(), lw, scale=capture.scale
     )
     return out[:, 0]
@@ -431,7 +431,7 @@ def measure_attention_error(
     n_steps = max(steps, 1)
     if decode.numel() < n_steps:
         raise ValueError(f"decode_ids has {decode.numel()} tokens; steps={steps} needs {n_steps}")
-    from probkv import hf  # transformers, imported on use (see the module note)
+    from probkv import hf  # transformers, imported on use (see the module note
 
     hf.prepare_model(model)
     t = context.numel()
@@ -505,7 +505,7 @@ def _compounded_error(
 ) -> tuple[float, float, list[int]]:
     """Teacher-force ``decode`` through the evicted model (real integration); return the
     error averaged over steps, the effective ratio and the kept count of every KV head."""
-    from probkv import hf  # transformers, imported on use (see the module note)
+    from probkv import hf  # transformers, imported on use (see the module note
 
     cache = hf.compress(model, context, policy)
     per_step = []

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from probkv.cli_args import add_dtype_argument, output_path, positive_int
+from probkv.cli.args import add_dtype_argument, output_path, positive_int
 from probkv.eval.outputs import check_output_file, remove_quietly
 
 TAUS = "1,2,5,10,50"
@@ -126,7 +126,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
 
 def add_task_command(subparsers: argparse._SubParsersAction) -> None:
     """``task-attention-error``: whole methods on the examples ``probkv eval`` runs."""
-    from probkv.cli_args import add_example_arguments, comma_list, ratio_list
+    from probkv.cli.args import add_example_arguments, comma_list, ratio_list
     from probkv.models import DEFAULT_MODEL
 
     parser = subparsers.add_parser(
@@ -175,8 +175,7 @@ def run_task_attention_error(args: argparse.Namespace) -> int:
     """Load the model and the examples, measure each example, write the JSON."""
     import torch
 
-    from probkv.cli_args import check_example_arguments
-    from probkv.dtypes import MODEL_DTYPES, resolve_dtype_name
+    from probkv.cli.args import check_example_arguments
     from probkv.eval import method_attention_error as mae
     from probkv.eval.attention_prompts import decode_tokens
     from probkv.eval.config import RunConfig
@@ -184,6 +183,7 @@ def run_task_attention_error(args: argparse.Namespace) -> int:
     from probkv.eval.plan import load_run_examples
     from probkv.hf import prepare_model, repeat_prompt
     from probkv.models import load_model, max_positions
+    from probkv.models.dtypes import MODEL_DTYPES, resolve_dtype_name
 
     mae.validate_methods(args.methods, args.ratios, args.seeds)
     check_example_arguments(args)
@@ -291,11 +291,11 @@ def format_summary(summary: list[dict]) -> str:
 
 def run_attention_error(args: argparse.Namespace) -> int:
     """Load the model, build the prompt and decode tokens, measure, write the JSON."""
-    from probkv.dtypes import MODEL_DTYPES, resolve_dtype_name
     from probkv.eval import attention_error as ae
     from probkv.eval.paper_prompt import PAPER_QUESTION
     from probkv.hf import prepare_model
     from probkv.models import load_model, load_tokenizer, model_max_positions
+    from probkv.models.dtypes import MODEL_DTYPES, resolve_dtype_name
 
     _, _, weights = ae.validate_arguments(
         ratios=args.ratios,

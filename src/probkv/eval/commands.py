@@ -1,4 +1,4 @@
-"""The ``eval``, ``plot`` and ``demo`` subcommands (registered in ``probkv.cli``).
+"""The ``eval``, ``plot`` and ``demo`` subcommands (registered in ``probkv.cli.main``).
 
 - ``probkv eval``: :func:`probkv.eval.runner.run_eval` (see that module for the files it
   writes, resuming, and the decisions on ``full``, the win score and question-aware eviction).
@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from probkv.cli_args import (
+from probkv.cli.args import (
     add_dtype_argument,
     add_example_arguments,
     check_example_arguments,
@@ -39,7 +39,7 @@ DEMO_WORKERS = 2
 DEMO_PER_TASK = 3
 DEMO_LENGTH = 1200
 
-#: Exit status of ``eval`` after Ctrl-C (the shell's 128 + SIGINT, as ``probkv.cli``'s) and
+#: Exit status of ``eval`` after Ctrl-C (the shell's 128 + SIGINT, as ``probkv.cli.main``'s) and
 #: when the disk under --out is full (the rows written so far are intact; a rerun resumes).
 INTERRUPTED = 130
 DISK_FULL = 1

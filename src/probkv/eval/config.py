@@ -2,7 +2,7 @@
 and its identity (:data:`IDENTITY_KEYS`), which a resume compares.
 
 A data file enters the identity by its SHA-256, not its path; the model's dtype enters it by
-its concrete name (``auto`` is resolved on construction, :mod:`probkv.dtypes`), so a resume
+its concrete name (``auto`` is resolved on construction, :mod:`probkv.models.dtypes`), so a resume
 in another dtype never mixes rows; workers, threads and prefill reuse are execution details
 (arguments of :func:`probkv.eval.runner.run_eval`), not part of the configuration, and may
 change between reruns.
@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from probkv._checks import check_choice, check_positive_int, check_ratio
-from probkv.dtypes import check_dtype_name, resolve_dtype_name
 from probkv.eval.data import FORMATS
 from probkv.eval.tasks import TASK_NAMES
+from probkv.models.dtypes import check_dtype_name, resolve_dtype_name
 from probkv.policies import method_name, parse_method
 
 #: The plain model, no eviction: runs once per example, at ratio 0 (the runner's docstring).
@@ -86,7 +86,7 @@ class RunConfig:
             ``max_new_tokens``, exceeds the model's positions (LongBench's truncation);
             without it such an example is refused before any job runs.
         dtype: the model's dtype, ``"float32"`` or ``"bfloat16"``; ``"auto"`` is resolved
-            here to the one this machine computes natively (:mod:`probkv.dtypes`).
+            here to the one this machine computes natively (:mod:`probkv.models.dtypes`).
     """
 
     model: str

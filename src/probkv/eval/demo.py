@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from probkv.dtypes import DEFAULT_DTYPE
 from probkv.eval.plots import Figures, plot_summary
 from probkv.eval.runner import FULL, RunConfig, RunReport, format_bytes, run_eval
 from probkv.models import DEFAULT_MODEL
+from probkv.models.dtypes import DEFAULT_DTYPE
 
 DEMO_METHODS = (
     "full",
@@ -60,7 +60,7 @@ def demo_config(
     dtype: str = DEFAULT_DTYPE,
 ) -> RunConfig:
     """One setting's run configuration (default model, :data:`DEMO_METHODS` at r = 0.5, the
-    model in ``dtype``, ``auto`` by default: :mod:`probkv.dtypes`)."""
+    model in ``dtype``, ``auto`` by default: :mod:`probkv.models.dtypes`)."""
     return RunConfig(
         model=model or DEFAULT_MODEL,
         methods=DEMO_METHODS,

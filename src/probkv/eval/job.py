@@ -31,7 +31,6 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from probkv.dtypes import resolve_dtype
 from probkv.eval.config import FULL
 from probkv.eval.examples import ContextTooLongError, Example, fit_context, score_example
 from probkv.eval.plan import Unit
@@ -39,6 +38,7 @@ from probkv.eval.prompt import prompt_token_ids
 from probkv.eval.store import ROW_FIELDS
 from probkv.hf import answer, compress, observe, prepare_model, repeat_prompt
 from probkv.models import load_model, max_positions
+from probkv.models.dtypes import resolve_dtype
 from probkv.policies import parse_method
 from probkv.scores import needs_reconstruction
 
@@ -56,7 +56,7 @@ class JobSettings:
 
 def load_prepared_model(name: str, threads: int, dtype: str = "float32"):
     """``(model, tokenizer)`` of ``name`` (``probkv.models``) in ``dtype`` (``"float32"``,
-    ``"bfloat16"`` or ``"auto"``, :mod:`probkv.dtypes`), prepared for eviction
+    ``"bfloat16"`` or ``"auto"``, :mod:`probkv.models.dtypes`), prepared for eviction
     (``probkv.hf.prepare_model``), with ``threads`` torch threads in this process."""
     torch.set_num_threads(threads)
     model, tokenizer = load_model(name, dtype=resolve_dtype(dtype))

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from probkv.cli_args import (
+from probkv.cli.args import (
     add_dtype_argument,
     comma_list,
     length_list,
@@ -99,7 +99,6 @@ def check_positions(prompt_tokens: int, tokens: int, limit: int) -> None:
 
 
 def run_long_decode(args: argparse.Namespace) -> int:
-    from probkv.dtypes import MODEL_DTYPES, resolve_dtype_name
     from probkv.eval.attention_error_cli import write_json
     from probkv.eval.long_decode import (
         LongDecodeConfig,
@@ -109,6 +108,7 @@ def run_long_decode(args: argparse.Namespace) -> int:
     )
     from probkv.eval.outputs import check_output_file
     from probkv.models import load_model, model_max_positions
+    from probkv.models.dtypes import MODEL_DTYPES, resolve_dtype_name
 
     config = LongDecodeConfig(
         prompt_tokens=args.prompt_tokens,

@@ -5,7 +5,7 @@ with the ``kvzip`` score (the prefill, then the reconstruction pass, S10.1), and
 the same prefill every evicting layer's keys and values (from the cache) and its attention
 input hidden states (a forward pre-hook on the attention module). The teacher's log-scores
 of the free entries (not the forced sinks or template opening) are the targets, one per KV
-head; the features of every kind in ``probkv.surrogate.FEATURE_KINDS`` are accumulated into
+head; the features of every kind in ``probkv.scores.surrogate.FEATURE_KINDS`` are accumulated into
 ridge statistics per layer, so the measurement of which input predicts best costs one
 collection. The last ``heldout`` contexts are not fitted on: half of them choose the ridge
 ``alpha``, the other half give the reported metrics (Spearman per layer, overlap of the
@@ -30,14 +30,14 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from probkv import surrogate as sg
 from probkv.eval.examples import Example
 from probkv.eval.haystack.stream import word_stream
 from probkv.eval.prompt import prompt_token_ids
 from probkv.eval.tasks import TASK_NAMES
 from probkv.eval.tasks.generate import generate_examples
 from probkv.hf import observe, repeat_prompt
-from probkv.hf.surrogate import model_identity
+from probkv.hf.scorer import model_identity
+from probkv.scores import surrogate as sg
 
 # Seeds of the generated training tasks start here; evaluations use small seeds (0 by
 # default, tests/eval/test_train_scorer.py checks every default).

@@ -1,4 +1,4 @@
-"""The ``train-scorer`` subcommand (registered in ``probkv.cli``): train a kvzap scorer.
+"""The ``train-scorer`` subcommand (registered in ``probkv.cli.main``): train a kvzap scorer.
 
 ``probkv train-scorer --model NAME_OR_PATH --out FILE`` runs
 ``probkv.eval.train_scorer.train_scorer`` (KVzip's reconstruction score as the teacher on
@@ -14,7 +14,7 @@ import json
 import time
 from pathlib import Path
 
-from probkv.cli_args import add_dtype_argument, positive_int
+from probkv.cli.args import add_dtype_argument, positive_int
 from probkv.eval.outputs import check_output_file, check_output_folder
 from probkv.models import DEFAULT_MODEL
 
@@ -55,7 +55,7 @@ def run_train_scorer(args: argparse.Namespace) -> int:
 
     from probkv.eval.job import load_prepared_model
     from probkv.eval.train_scorer import train_scorer
-    from probkv.surrogate import save_scorer
+    from probkv.scores.surrogate import save_scorer
 
     start = time.perf_counter()
     model, tokenizer = load_prepared_model(args.model, torch.get_num_threads(), args.dtype)

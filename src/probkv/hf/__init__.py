@@ -10,7 +10,7 @@ Verified with transformers==5.24.0 (pinned).
 from probkv.hf.cache import EvictingLayer, LayerReport, LayerState, ProbKVCache
 from probkv.hf.capture import AttentionRecorder, LayerCapture, capture_attention
 from probkv.hf.model import SUPPORTED_MODEL_TYPES, check_model_supported, prepare_model
-from probkv.hf.reconstruction import RepeatPrompt, reconstruct, repeat_prompt
+from probkv.hf.reconstruct import RepeatPrompt, reconstruct, repeat_prompt
 from probkv.hf.workflow import answer, compress, generate, observe
 
 __all__ = [

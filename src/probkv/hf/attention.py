@@ -7,13 +7,13 @@ dict, so this function receives the layer as ``probkv_layer``. Layers that are n
 
 For an evicting layer, its state (``probkv.hf.cache.LayerState``) decides:
 - ``PREFILL`` (a prompt forward): ``probkv.hf.prefill.observe_prompt_chunk`` computes the output and the
-  policy's statistics from the real post-RoPE tensors (``probkv.observation.observe_layer``
+  policy's statistics from the real post-RoPE tensors (``probkv.scores.observation.observe_layer``
   in one pass for a whole prompt, S2; accumulated over the chunks of a chunked prefill); the
   layer records the observation and evicts right away if the policy is layerwise and the
   prompt has ended;
 - ``PREFILL`` of a reconstruction score (S10.1): dense attention; the layer waits for the pass
   (``AWAITING_RECONSTRUCTION``), whose chunks attend in state ``RECONSTRUCTING``
-  (``probkv.hf.reconstruction``: over the cache and the chunk, never stored);
+  (``probkv.hf.reconstruct``: over the cache and the chunk, never stored);
 - ``OBSERVED`` (prefill seen, eviction pending): dense causal attention;
 - ``EVICTED``: one softmax over the ragged weighted prefix (logits ``+ log w``, S4) and the
   dense tail of tokens added since, which carries no weight; with a decode budget, the rows
@@ -33,8 +33,12 @@ from probkv.hf.cache import EvictingLayer, LayerState
 from probkv.hf.decode_budget import after_decode_attention, decode_rows_needed
 from probkv.hf.eviction import evict_decode_stage
 from probkv.hf.prefill import observe_prompt_chunk
-from probkv.observation import causal_offset_mask, dense_causal_attention, last_query_attention
 from probkv.scores import needs_reconstruction
+from probkv.scores.observation import (
+    causal_offset_mask,
+    dense_causal_attention,
+    last_query_attention,
+)
 
 ATTN_IMPLEMENTATION = "probkv"
 
@@ -88,7 +92,7 @@ def layer_attention(
         if after_decode_attention(layer, query, probabilities=probs):
             evict_decode_stage(layer, scale)  # the prompt's eviction path (probkv.hf.eviction)
         return out
-    if layer.state is LayerState.RECONSTRUCTING:  # S10.1, probkv.hf.reconstruction
+    if layer.state is LayerState.RECONSTRUCTING:  # S10.1, probkv.hf.reconstruct
         return layer.scoring.attend(layer, query, scale)
     if layer.state is LayerState.PREFILL and needs_reconstruction(layer.policy.score):
         # S10.1: the scores come from the pass run after every layer's prefill
@@ -112,7 +116,7 @@ def evicted_attention_with_probabilities(
     """``evicted_attention`` and the probabilities its softmax computed, for a decode
     budget's statistics (S10.5): ``[Hkv, g, q, n]`` float32 over each head's entries (its
     prefix, then the tail) padded to the longest head with zeros, the layout of
-    ``probkv.decode_statistics.decode_probabilities``, which recomputes them (the slow
+    ``probkv.scores.decode_statistics.decode_probabilities``, which recomputes them (the slow
     reference). A uniform prefix hands over the softmax itself, no copy."""
     out, probs = _evicted_attention(layer, query, scale, True)
     h = layer.num_heads

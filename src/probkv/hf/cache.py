@@ -39,16 +39,16 @@ from transformers.cache_utils import (
 )
 
 from probkv._checks import check_positive_int
-from probkv.estimator import compose_log_weights
+from probkv.estimation import compose_log_weights
+from probkv.estimation.selection import RaggedSelection
 from probkv.hf import guards
 from probkv.hf.decode_budget import DecodeBudget, LayerDecodeState
 from probkv.hf.eviction import evict_layers
 from probkv.hf.prefill import ObserveOnly, PromptReading
 from probkv.hf.prefix import DenseTail, RaggedPrefix
 from probkv.hf.report import LayerReport
-from probkv.hf.surrogate import with_scorer
+from probkv.hf.scorer import with_scorer
 from probkv.policies.base import EvictionPolicy, LayerObservation
-from probkv.selection import RaggedSelection
 
 KWARGS_CHANNEL_KEY = "probkv_layer"
 __all__ = ["EvictingLayer", "LayerReport", "LayerState", "ObserveOnly", "ProbKVCache"]
@@ -59,7 +59,7 @@ class LayerState(enum.Enum):
 
     PREFILL = "prefill"  # the prompt is being read (``prompt.chunks``: chunks seen so far)
     # S10.1 scores: prefill seen (``last_query_attention`` kept), the reconstruction pass
-    # (probkv.hf.reconstruction) has not run; during its forwards the state is RECONSTRUCTING
+    # (probkv.hf.reconstruct) has not run; during its forwards the state is RECONSTRUCTING
     AWAITING_RECONSTRUCTION = "awaiting_reconstruction"
     RECONSTRUCTING = "reconstructing"  # a reconstruction chunk attends, never stored
     OBSERVED = "observed"  # prefill observed (``observation`` set), eviction pending
@@ -72,7 +72,7 @@ class EvictingLayer(CacheLayerMixin):
     Its state is grouped into small objects, each written by one module: ``prompt``
     (``probkv.hf.prefill.PromptReading``), ``tail`` and ``prefix`` (``probkv.hf.prefix``),
     ``decode_state`` (``probkv.hf.decode_budget.LayerDecodeState``), ``scoring``
-    (``probkv.hf.reconstruction.LayerScoring``), ``report`` (``probkv.hf.eviction``). Other
+    (``probkv.hf.reconstruct.LayerScoring``), ``report`` (``probkv.hf.eviction``). Other
     modules change the layer through its methods: ``observed``, ``continue_prefill``,
     ``end_prefill``, ``awaits_reconstruction``, ``start_scoring``/``stop_scoring``, ``evict``,
     ``record_report``, ``use_policy``, ``truncate_tail``, ``attention_done``.

@@ -8,7 +8,7 @@ layer to at most ``B + K`` entries for any number of generated tokens:
 - stages 2, 3, ...: whenever a head holds ``B + K`` entries (``B + 1`` for ``K = 1``), right
   after the attention of the step that brought it there, the policy evicts that layer's
   entries (kept prefix, then the tail) down to ``B``, on the statistics accumulated online
-  since (``probkv.decode_statistics``: column sums of decode rows for H2O, ``-h`` harmonic
+  since (``probkv.scores.decode_statistics``: column sums of decode rows for H2O, ``-h`` harmonic
   weights, the latest rows for TOVA / SnapKV's window / ``min``, positions for StreamingLLM).
 
 A sampling stage multiplies the weights of what it keeps by ``1 / P`` (``EvictingLayer.evict``
@@ -42,10 +42,10 @@ import torch
 
 from probkv import scores
 from probkv._checks import check_positive_int
-from probkv.decode_statistics import DecodeStatistics
+from probkv.estimation.selection import RaggedSelection
 from probkv.policies.base import EvictionPolicy, LayerObservation
 from probkv.policies.registry import FullCache
-from probkv.selection import RaggedSelection
+from probkv.scores.decode_statistics import DecodeStatistics
 
 # Seeds of decode stages: the policy's seed, then this many per stage and one per head.
 _STAGE_SEED_STRIDE = 1_000_003

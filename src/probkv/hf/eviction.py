@@ -22,11 +22,11 @@ from collections.abc import Sequence
 import torch
 
 from probkv.budgets import retained_attention_mass
-from probkv.estimator import kish_effective_sample_size
+from probkv.estimation import kish_effective_sample_size
+from probkv.estimation.selection import RaggedSelection
 from probkv.hf import decode_budget
 from probkv.hf.report import LayerReport
 from probkv.policies.base import EvictionPolicy, select_layers
-from probkv.selection import RaggedSelection
 
 
 def evict_layers(policy: EvictionPolicy, layers: Sequence, *, num_layers: int) -> None:

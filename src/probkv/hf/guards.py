@@ -155,7 +155,7 @@ def check_generation_ids(ids: torch.Tensor, held: int, known: torch.Tensor | Non
 def check_prompt_end(prompt_length: int | None, held: int, new_tokens: int) -> None:
     """Refuse a single-token forward (a decode step) before the end of a ``prompt_length``
     prompt, after a prefill: ``prompt_length`` is larger than the prompt. (A chunk that goes
-    past it is refused by ``probkv.observation.PrefillStatistics``.)"""
+    past it is refused by ``probkv.scores.observation.PrefillStatistics``.)"""
     if prompt_length is None or held >= prompt_length:
         return
     if held and new_tokens == 1 and held + 1 < prompt_length:

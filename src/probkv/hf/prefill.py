@@ -4,7 +4,7 @@
 forwards, so that the prefill's peak memory is one chunk's attention. Eviction must still see
 the whole prompt. An ``EvictingLayer`` therefore stays in ``PREFILL`` while the prompt is being
 read: each chunk's rows attend to every earlier entry, exactly like the one-pass kernel, and
-``probkv.observation.PrefillStatistics`` accumulates what the score needs (column sums over
+``probkv.scores.observation.PrefillStatistics`` accumulates what the score needs (column sums over
 all rows; the last rows a score reads). The observation equals the one-pass observation of the
 whole prompt; eviction follows it.
 
@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from probkv.observation import LayerObservation, PrefillStatistics, observe_layer
 from probkv.policies.base import EvictionPolicy, validate_common
+from probkv.scores.observation import LayerObservation, PrefillStatistics, observe_layer
 
 
 @dataclass

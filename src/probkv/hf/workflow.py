@@ -14,7 +14,7 @@ import torch
 from probkv.hf import guards
 from probkv.hf.cache import EvictingLayer, ObserveOnly, ProbKVCache
 from probkv.hf.model import is_prepared
-from probkv.hf.reconstruction import RepeatPrompt, reconstruct
+from probkv.hf.reconstruct import RepeatPrompt, reconstruct
 from probkv.policies.base import EvictionPolicy
 
 

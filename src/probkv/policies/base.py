@@ -24,8 +24,8 @@ import torch
 
 from probkv import scores
 from probkv._checks import check_choice, check_ratio
-from probkv.observation import LayerObservation
-from probkv.selection import RaggedSelection
+from probkv.estimation.selection import RaggedSelection
+from probkv.scores.observation import LayerObservation
 
 # The score parameters a policy uses unless told otherwise: the score table's defaults (S6 SnapKV
 # window 32, max-pooling, kernel 7, raw group mean over GQA heads; S5 4 sinks); see
@@ -76,7 +76,7 @@ class EvictionPolicy(ABC):
     @property
     def calibrates(self) -> bool:
         """True when the kept entries' weights are then fitted to reference queries (S9,
-        ``probkv.calibration``), which needs each layer's keys and values."""
+        ``probkv.estimation.calibration``), which needs each layer's keys and values."""
         return False
 
     def calibrated_selections(

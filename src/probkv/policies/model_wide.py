@@ -2,7 +2,7 @@
 
 What a paged KV cache (vLLM's blocks span every layer and head of a request) can free. Shared
 by ``TopKPolicy`` (top-k over blocks) and ``ProbabilisticPolicy`` (block pps with
-Horvitz-Thompson weights ``-log P_b``); the block maths is ``probkv.model_blocks``.
+Horvitz-Thompson weights ``-log P_b``); the block maths is ``probkv.sampling.model_blocks``.
 """
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from probkv import budgets, model_blocks
-from probkv.observation import LayerObservation
-from probkv.selection import RaggedSelection
+from probkv import budgets
+from probkv.estimation.selection import RaggedSelection
+from probkv.sampling import model_blocks
+from probkv.scores.observation import LayerObservation
 
 SCOPE = "model"
 DEFAULT_BLOCK = 16  # vLLM's default KV block size

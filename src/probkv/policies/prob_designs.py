@@ -32,9 +32,12 @@ from typing import ClassVar
 
 import torch
 
-from probkv import calibration, designs, estimator, proposals, sample_size, sampling, scores
+from probkv import estimation, sampling, scores
 from probkv._checks import check_choice
+from probkv.estimation import calibration
 from probkv.policies.base import check_fraction
+from probkv.sampling import designs, sample_size
+from probkv.scores import proposals
 
 SCOPES = ("head", "global", "model")
 
@@ -268,11 +271,11 @@ class WithReplacement(Design):
             kept = counts > 0
             logw = None
             if weighting.correct and self.weights == "counts":
-                logw = estimator.counts_log_weights(
+                logw = estimation.counts_log_weights(
                     pi, kept, counts, num_samples=m, tau=weighting.tau
                 )
             elif weighting.correct:
-                logw = estimator.inclusion_log_weights(
+                logw = estimation.inclusion_log_weights(
                     pi, kept, m, counts=counts, tau=weighting.tau
                 )
             out.append((kept, logw))
@@ -282,7 +285,7 @@ class WithReplacement(Design):
 @dataclass(frozen=True)
 class Pps(Design):
     """Fixed-size pps without replacement (S9) with span-preserving designs (S10.2-S10.4,
-    ``probkv.designs``): per head the ``floor(core b)`` entries of largest key are kept with
+    ``probkv.sampling.designs``): per head the ``floor(core b)`` entries of largest key are kept with
     weight 1 (``b``: the budget after forced entries), the rest of the budget is pps over units
     (``units="blocks"``: runs of ``block`` entries; ``"spans"``: runs of above-average proposal
     of at most ``block`` entries) visited in ``order`` by systematic sampling; every entry of a
@@ -336,7 +339,7 @@ class Pps(Design):
             logw = None
             if weighting.correct:
                 inclusion = torch.where(core, 1.0, design.entry_inclusion)
-                logw = estimator.pps_log_weights(pi, kept, inclusion, tau=weighting.tau)
+                logw = estimation.pps_log_weights(pi, kept, inclusion, tau=weighting.tau)
             out.append((kept, logw))
         return out
 

@@ -22,8 +22,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from probkv import budgets, calibration, model_blocks, proposals, scores
+from probkv import budgets, scores
 from probkv._checks import check_choice
+from probkv.estimation import calibration
+from probkv.estimation.selection import RaggedSelection
 from probkv.policies import model_wide, prob_designs
 from probkv.policies.base import (
     EvictionPolicy,
@@ -35,7 +37,8 @@ from probkv.policies.base import (
     with_recent,
 )
 from probkv.policies.prob_designs import DESIGNS, SCOPES, Design, Proposal, Stratum, Weighting
-from probkv.selection import RaggedSelection
+from probkv.sampling import model_blocks
+from probkv.scores import proposals
 
 # Every draw's generator is seeded with seed * SEED_STRIDE + the first layer's index: torch
 # generators take 64-bit seeds, so seeds are limited to SEEDS (room for 2^16 layers).
@@ -230,7 +233,7 @@ class ProbabilisticPolicy(EvictionPolicy):
         observations: Sequence[LayerObservation],
         tensors: Sequence[tuple[torch.Tensor, torch.Tensor]],
     ) -> list[RaggedSelection]:
-        """S9: each layer's weights fitted to its reference queries (``probkv.calibration``);
+        """S9: each layer's weights fitted to its reference queries (``probkv.estimation.calibration``);
         the kept entries stay the design's."""
         out = []
         for sel, obs, (key, value) in zip(selections, observations, tensors, strict=True):

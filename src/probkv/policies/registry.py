@@ -31,10 +31,10 @@ from dataclasses import dataclass
 
 from probkv import scores
 from probkv._checks import check_ratio
+from probkv.estimation.selection import RaggedSelection
 from probkv.policies.base import EvictionPolicy, LayerObservation, keep_everything, real_number
 from probkv.policies.probabilistic import ProbabilisticPolicy
 from probkv.policies.topk import TopKPolicy
-from probkv.selection import RaggedSelection
 
 
 @dataclass(frozen=True)

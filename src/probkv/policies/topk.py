@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from probkv import budgets, model_blocks, proposals, scores
+from probkv import budgets, scores
 from probkv._checks import check_choice
+from probkv.estimation.selection import RaggedSelection
 from probkv.policies import model_wide
 from probkv.policies.base import (
     EvictionPolicy,
@@ -26,7 +27,8 @@ from probkv.policies.base import (
     validate_common,
     with_recent,
 )
-from probkv.selection import RaggedSelection
+from probkv.sampling import model_blocks
+from probkv.scores import proposals
 
 LAYER_BUDGETS = ("uniform", "pyramid", "global")
 HEAD_BUDGETS = ("uniform", "ada")
@@ -61,7 +63,7 @@ class TopKPolicy(EvictionPolicy):
     - ``scope="model"`` (S11): one kept set of whole blocks of ``block`` positions (default
       16) for every layer and head, the top ``k`` blocks by ``aggregate`` (``"sum"``, default,
       or ``"max"``) of each head's softmax mass of its (pooled) log-scores in the block
-      (``probkv.model_blocks``); uniform layer and head budgets only. Not layerwise.
+      (``probkv.sampling.model_blocks``); uniform layer and head budgets only. Not layerwise.
       ``block`` and ``aggregate`` are ``None`` with ``scope="head"``.
     """
 

@@ -11,7 +11,7 @@ import pytest
 from probkv.eval.examples import write_examples
 from probkv.eval.haystack import word_stream
 from probkv.eval.tasks import TASK_NAMES, generate_examples
-from probkv.testing import tiny_tokenizer
+from probkv.models.testing import tiny_tokenizer
 
 # sha256 of examples.jsonl (write_examples) of 2 examples per (tokenizer, length, seed):
 # the byte-level tiny tokenizer at 1500 and 4200 tokens (cwe changes its repeats at 4096)

@@ -40,13 +40,13 @@ pure function of ``(task, length, seed, index)`` and the tokenizer.
 
 from __future__ import annotations
 
-from probkv.eval.tasks.base import Builder, Draft
+from probkv.eval.tasks.blocks import Builder, Draft
+from probkv.eval.tasks.catalog import TASK_NAMES, TASKS, Task, get_task, task_metric
 from probkv.eval.tasks.common_words import CommonWordsTask
 from probkv.eval.tasks.frequent_words import FrequentWordsTask
 from probkv.eval.tasks.generate import LENGTH_TOLERANCE, generate_examples
 from probkv.eval.tasks.niah import NeedleTask
 from probkv.eval.tasks.qa import FactQATask
-from probkv.eval.tasks.registry import TASK_NAMES, TASKS, Task, get_task, task_metric
 from probkv.eval.tasks.variable_tracking import VariableTrackingTask
 
 __all__ = [

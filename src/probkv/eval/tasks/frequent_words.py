@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from probkv._checks import check_positive_int
 from probkv.eval.haystack import prose_vocabulary
-from probkv.eval.tasks.base import Builder, Draft, UniqueValues, occurs_in, pseudo_word
+from probkv.eval.tasks.blocks import Builder, Draft, UniqueValues, occurs_in, pseudo_word
 
 
 @dataclass(frozen=True)

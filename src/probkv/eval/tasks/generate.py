@@ -11,8 +11,8 @@ from typing import Any
 from probkv._checks import check_positive_int
 from probkv.eval.examples import Example
 from probkv.eval.prompt import prompt_length
-from probkv.eval.tasks.base import Builder
-from probkv.eval.tasks.registry import Task, get_task
+from probkv.eval.tasks.blocks import Builder
+from probkv.eval.tasks.catalog import Task, get_task
 
 LENGTH_TOLERANCE = 0.02  # generated prompts are in [(1 - 2%) * length, length] tokens
 _GOLDEN = 0.6180339887498949  # fractional part of the golden ratio (low-discrepancy depths)

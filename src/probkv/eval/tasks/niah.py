@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from probkv._checks import check_choice, check_positive_int
 from probkv.eval.haystack import HAYSTACK_KINDS, word_stream
-from probkv.eval.tasks.base import (
+from probkv.eval.tasks.blocks import (
     KEY_KINDS,
     KIND_NAMES,
     VALUE_DRAWS,

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from probkv._checks import check_choice, check_positive_int
 from probkv.eval.haystack import HAYSTACK_KINDS, prose_vocabulary, word_stream
 from probkv.eval.haystack.vocabulary import FIRST_NAMES
-from probkv.eval.tasks.base import Builder, Draft, UniqueValues, pseudo_word, spread_depths
+from probkv.eval.tasks.blocks import Builder, Draft, UniqueValues, pseudo_word, spread_depths
 
 _TOWN_SUFFIXES = ("wick", "moor", "ford", "holm", "stead", "bury", "dale", "mere", "by", "thorpe")
 _BOAT_WORDS = (

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from probkv._checks import check_choice, check_positive_int
 from probkv.eval.haystack import HAYSTACK_KINDS, prose_vocabulary, word_stream
-from probkv.eval.tasks.base import Builder, Draft, UniqueValues, occurs_in, spread_depths
+from probkv.eval.tasks.blocks import Builder, Draft, UniqueValues, occurs_in, spread_depths
 
 
 def _draw_variable(rng: random.Random) -> str:

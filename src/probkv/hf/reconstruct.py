@@ -1,0 +1,248 @@
+"""KVzip's reconstruction pass on a transformers model (S10.1).
+
+After the prefill of a context (every layer observed, nothing evicted yet), the model reads
+"repeat the previous context" followed by the context again, in chunks
+(``probkv.scores.reconstruction.reconstruction_chunks``). Each chunk is one forward with the cache
+in *scoring* mode: an ``EvictingLayer`` in state ``RECONSTRUCTING`` (its ``scoring`` set) hands
+the chunk's keys and values to the attention function without storing them, which calls
+``LayerScoring.attend`` (attention over the ``t`` cached entries plus the chunk,
+causal; ``probkv.scores.reconstruction.reconstruction_attention``), which accumulates the layer's
+statistics. Every chunk sits at positions ``t..t+n-1`` (the cache's logical length never
+moves), as in KVzip's reference code. Gemma-3's sliding-window layers do store the chunk
+(transformers' own layers); their state is saved before each chunk and put back after it.
+The cache's tensors and lengths are unchanged by the pass (tests check bit-equality).
+
+Then each layer's statistics become its observation (``probkv.scores.compute_scores(...,
+reconstruction=stats)``) and the policy evicts as usual (``ProbKVCache.evict``).
+
+The pass needs token ids for the instruction and the chat template's closing: build them
+once from the model's tokenizer with ``repeat_prompt(tokenizer)``; the maths never sees a
+tokenizer.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from probkv import scores as score_fns
+from probkv.estimation.calibration import reference_stride
+from probkv.hf.cache import EvictingLayer, LayerState
+from probkv.scores.observation import LayerObservation
+from probkv.scores.reconstruction import (
+    DEFAULT_CHUNK_TOKENS,
+    ReconstructionStats,
+    reconstruction_attention,
+    reconstruction_chunks,
+)
+
+# KVzip's instructions (its reference code; kvpress's KVzipPress uses the same words). They are
+# the method's input, so probkv keeps them verbatim.
+REPEAT_FIRST = "\n\nRepeat the previous context exactly."
+REPEAT_LATER = "\n\nRepeat the part of the previous context exactly, starting with"
+
+# Marks the user message inside the rendered chat template; cannot occur in text.
+_USER_CONTENT = "\x00probkv-user-content\x00"
+
+
+@dataclass(frozen=True)
+class RepeatPrompt:
+    """Token ids of the reconstruction prompt (S10.1), built by ``repeat_prompt(tokenizer)``.
+
+    ``first`` / ``later``: the instruction of the first / a later chunk; ``suffix``: the chat
+    template's end of the user turn and assistant header (``"\\n"`` without a template);
+    ``template_prefix``: the template's opening (system prompt, user header). Cached entries
+    that start with it are not reconstructed and always kept, as KVzip keeps its system prompt.
+    ``RepeatPrompt()`` (all empty) feeds the context again with no instruction.
+    """
+
+    first: tuple[int, ...] = ()
+    later: tuple[int, ...] = ()
+    suffix: tuple[int, ...] = ()
+    template_prefix: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("first", "later", "suffix", "template_prefix"):
+            ids = getattr(self, name)
+            if isinstance(ids, (str, bytes)) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids
+            ):
+                raise ValueError(f"{name} must be a sequence of token ids (ints >= 0), got {ids!r}")
+            object.__setattr__(self, name, tuple(ids))
+
+    def context_start(self, context_ids: Sequence[int]) -> int:
+        """How many leading cached tokens are the template's opening (the longest common
+        prefix with ``template_prefix``), leaving at least one token to reconstruct."""
+        n = 0
+        for a, b in zip(self.template_prefix, context_ids):
+            if a != b:
+                break
+            n += 1
+        return min(n, len(context_ids) - 1)
+
+
+def repeat_prompt(tokenizer) -> RepeatPrompt:
+    """KVzip's reconstruction prompt in ``tokenizer``'s ids (S10.1): the instructions, and the
+    chat template's opening and closing around a user message (kvpress finds them the same
+    way); without a chat template the closing is a newline and there is no opening."""
+    opening, closing = "", "\n"
+    if getattr(tokenizer, "chat_template", None):
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": _USER_CONTENT}],
+            tokenize=False,
+            add_generation_prompt=True,
+            enable_thinking=False,  # Qwen3: answer directly, as the reference does
+        )
+        if not isinstance(rendered, str) or rendered.count(_USER_CONTENT) != 1:
+            raise ValueError(
+                "the tokenizer's chat template did not render the user message verbatim; "
+                "build RepeatPrompt(...) from token ids yourself"
+            )
+        opening, closing = rendered.split(_USER_CONTENT)
+
+    def encode(text: str) -> tuple[int, ...]:
+        return tuple(tokenizer.encode(text, add_special_tokens=False)) if text else ()
+
+    return RepeatPrompt(
+        encode(REPEAT_FIRST), encode(REPEAT_LATER), encode(closing), encode(opening)
+    )
+
+
+class LayerScoring:
+    """An evicting layer's state during the pass (``EvictingLayer.scoring``): the
+    chunk's own keys and values, set by ``update`` and never stored, and the statistics."""
+
+    def __init__(self, context_start: int, chunk_tokens: int, reference_every: int = 1) -> None:
+        self.context_start = context_start
+        self.chunk_tokens = chunk_tokens
+        self.reference_every = reference_every  # keep every k-th row as a reference query (S9)
+        self.rows_seen = 0
+        self.stats: ReconstructionStats | None = None
+        self.scale: float | None = None
+        self.keys: torch.Tensor | None = None  # [1, Hkv, n, d], the current chunk's
+        self.values: torch.Tensor | None = None
+
+    def attend(self, layer: EvictingLayer, query: torch.Tensor, scale: float) -> torch.Tensor:
+        """The chunk's attention output ``[Hq, n, d_v]`` over the ``t`` cached entries and
+        itself (causal), folding its statistics into ``stats``."""
+        if self.keys is None:
+            raise RuntimeError(f"layer {layer.layer_idx}: no reconstruction chunk was given")
+        t = layer.tail_length
+        keys = torch.cat([layer.tail_keys[0], self.keys[0]], dim=1)
+        values = torch.cat([layer.tail_values[0], self.values[0]], dim=1)
+        self.keys = self.values = None
+        out, max_attention, sum_attention = reconstruction_attention(
+            query, keys, values, context_length=t, scale=scale
+        )
+        if self.stats is None:
+            self.stats = ReconstructionStats.empty(
+                keys.shape[0],
+                query.shape[0],
+                t,
+                context_start=self.context_start,
+                chunk_tokens=self.chunk_tokens,
+                device=query.device,
+            )
+            self.scale = scale
+        self.stats.add(max_attention, sum_attention, query.shape[1])
+        n = query.shape[1]
+        first = (-self.rows_seen) % self.reference_every  # rows at global index 0, k, 2k, ...
+        if first < n:
+            self.stats.add_reference_queries(query[:, first :: self.reference_every])
+        self.rows_seen += n
+        return out
+
+
+@torch.no_grad()
+def reconstruct(
+    model, cache, context_ids: torch.Tensor, prompt: RepeatPrompt | None = None
+) -> None:
+    """Run the reconstruction pass over the prefilled ``cache`` (``context_ids [1, t]``, the
+    tokens it holds) and give every evicting layer its observation of the cache's score.
+
+    ``prompt``: from ``repeat_prompt(tokenizer)``. ``None`` feeds the context again with no
+    instruction (``RepeatPrompt()``) and warns: KVzip's prompt needs the tokenizer.
+    """
+    layers = [cache.layers[i] for i in cache.evicting_layers]
+    if not all(layer.state is LayerState.AWAITING_RECONSTRUCTION for layer in layers):
+        raise ValueError(
+            "reconstruct() needs a cache whose prefill observed a reconstruction score "
+            f"({', '.join(score_fns.RECONSTRUCTION_SCORES)}) and was not reconstructed yet"
+        )
+    if prompt is None:
+        warnings.warn(
+            f"score {cache.policy.score!r} without a repeat prompt: the context is fed again "
+            "with no instruction; pass repeat_prompt=probkv.hf.repeat_prompt(tokenizer) for "
+            "KVzip's prompt",
+            stacklevel=3,
+        )
+        prompt = RepeatPrompt()
+    ids = [int(i) for i in context_ids.reshape(-1).tolist()]
+    t = layers[0].tail_length
+    if len(ids) != t:
+        raise ValueError(f"context_ids has {len(ids)} tokens but the cache holds {t}")
+    params = cache.policy.score_params
+    chunk_tokens = int(params.get("chunk_tokens", DEFAULT_CHUNK_TOKENS))
+    start = prompt.context_start(ids)
+    chunks = reconstruction_chunks(
+        ids,
+        first=prompt.first,
+        later=prompt.later,
+        suffix=prompt.suffix,
+        context_start=start,
+        chunk_tokens=chunk_tokens,
+    )
+    # calibrated weights (S9) fit to about DEFAULT_REFERENCE_ROWS rows per query head, evenly
+    # spread over the pass
+    every = reference_stride(sum(len(c.input_ids) for c in chunks))
+    scorings = [LayerScoring(start, chunk_tokens, every) for _ in layers]
+    for chunk in chunks:
+        _run_chunk(model, cache, layers, scorings, chunk.input_ids, context_ids.device)
+    for layer, scoring in zip(layers, scorings):
+        name = cache.policy.score
+        scores = score_fns.compute_scores(
+            name,
+            None,
+            layer.tail_keys[0],
+            layer.tail_values[0],
+            scale=scoring.scale,
+            reconstruction=scoring.stats,
+            **{k: v for k, v in params.items() if k in score_fns.score_param_names(name)},
+        )
+        layer.observed(
+            LayerObservation(
+                layer_idx=layer.layer_idx,
+                rank=layer.rank,
+                log_scores=scores.log_scores,
+                forced=scores.forced,
+                last_query_attention=layer.last_query_attention,
+                reference_queries=scoring.stats.reference_queries,
+                scale=scoring.scale,
+            )
+        )
+
+
+def _run_chunk(model, cache, layers, scorings, input_ids, device) -> None:
+    """One forward of a reconstruction chunk in scoring mode; the cache is left as it was."""
+    others = [layer for layer in cache.layers if not isinstance(layer, EvictingLayer)]
+    saved = [dict(layer.__dict__) for layer in others]  # transformers' layers store the chunk
+    for layer, scoring in zip(layers, scorings):
+        layer.start_scoring(scoring)
+    try:
+        ids = torch.tensor([input_ids], dtype=torch.long, device=device)
+        model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+    finally:
+        for layer in layers:
+            layer.stop_scoring()
+        for layer, state in zip(others, saved):
+            layer.__dict__.clear()
+            layer.__dict__.update(state)
+    missed = [layer.layer_idx for layer, s in zip(layers, scorings) if s.keys is not None]
+    if missed:
+        raise RuntimeError(
+            f"layers {missed} were not scored: the model did not run probkv's attention "
+            "function (call probkv.hf.prepare_model(model))"
+        )
