@@ -745,7 +745,7 @@ def refuse(*args, **kwargs):
     print("a model was loaded", file=sys.stderr)
     sys.exit(99)
 probkv.models.load_model = probkv.cli.main.load_model = probkv.eval.job.load_model = refuse
-sys.exit(probkv.cli.main())
+sys.exit(probkv.cli.main.main())
 """
 
 
@@ -918,7 +918,7 @@ def append_row(f, row):
     real_append(f, row)
     written.append(row)
 runner.append_row = append_row
-sys.exit(probkv.cli.main())
+sys.exit(probkv.cli.main.main())
 """
 
 

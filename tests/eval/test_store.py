@@ -61,7 +61,7 @@ def append_row(f, row):
     real_append(f, row)
     written += 1
 runner.append_row = append_row
-sys.exit(probkv.cli.main())
+sys.exit(probkv.cli.main.main())
 """
 
 

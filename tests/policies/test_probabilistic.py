@@ -997,7 +997,7 @@ def test_defaults_live_in_one_table_and_docs_list_them():
     options = set(ProbabilisticPolicy.option_names())
     assert set(prob_designs.DEFAULTS) == options
     rows = defaults_rows()
-    text = (Path(__file__).parents[1] / "docs" / "methods.md").read_text()
+    text = (Path(__file__).parents[2] / "docs" / "methods.md").read_text()
     table = text.split("<!-- prob-defaults -->")[1]
     listed = [line for line in table.strip().splitlines() if line.startswith("| `")]
     assert listed == rows

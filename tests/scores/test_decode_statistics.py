@@ -150,7 +150,12 @@ def test_pending_rows_flush_whenever_full(monkeypatch, score):
 
 @pytest.mark.parametrize(
     "name",
-    [n for n in SCORE_NAMES if "value" in score_spec(n).inputs and not needs_reconstruction(n)],
+    # kvzap reads the values through a scorer trained for a model (none for random tensors)
+    [
+        n
+        for n in SCORE_NAMES
+        if "value" in score_spec(n).inputs and not needs_reconstruction(n) and n != "kvzap"
+    ],
 )
 def test_value_norm_declarations_match_the_functions(name):
     """A row declares ``value_norm`` exactly when scaling one entry's value by c adds log c

@@ -297,16 +297,18 @@ def run_attention_error(args: argparse.Namespace) -> int:
     from probkv.models import load_model, load_tokenizer, model_max_positions
     from probkv.models.dtypes import MODEL_DTYPES, resolve_dtype_name
 
-    _, _, weights = ae.validate_arguments(
-        ratios=args.ratios,
-        taus=args.taus,
-        seeds=args.seeds,
-        proposal=args.proposal,
-        weights=args.weights,
-        sampler=args.sampler,
-        scope=args.scope,
-        steps=args.steps,
-    )
+    # the estimators to measure, as validate_arguments and measure_attention_error take them
+    estimators = {
+        "ratios": args.ratios,
+        "taus": args.taus,
+        "seeds": args.seeds,
+        "proposal": args.proposal,
+        "weights": args.weights,
+        "sampler": args.sampler,
+        "scope": args.scope,
+        "steps": args.steps,
+    }
+    _, _, weights = ae.validate_arguments(**estimators)
     # Everything the user gave is checked before the model loads: a run that can only fail
     # at its end (an unwritable --out, a prompt past the model's positions) costs nothing.
     out = check_output_file(args.out, "--out")
@@ -328,29 +330,10 @@ def run_attention_error(args: argparse.Namespace) -> int:
     log = lambda message: print(f"[attention-error] {message}", file=sys.stderr)  # noqa: E731
     log(f"prompt: {len(prompt.context_ids)} tokens ({prompt.source}, {prompt.format} format)")
     log(f"model dtype: {dtype} (--dtype {args.dtype})")
-    rows = ae.measure_attention_error(
-        model,
-        prompt.context_ids,
-        decode,
-        ratios=args.ratios,
-        taus=args.taus,
-        seeds=args.seeds,
-        proposal=args.proposal,
-        weights=args.weights,
-        sampler=args.sampler,
-        scope=args.scope,
-        steps=args.steps,
-        progress=log,
-    )
+    rows = ae.measure_attention_error(model, prompt.context_ids, decode, **estimators, progress=log)
     arguments = {
-        "ratios": args.ratios,
-        "taus": args.taus,
-        "seeds": args.seeds,
-        "proposal": args.proposal,
+        **estimators,
         "weights": weights,
-        "sampler": args.sampler,
-        "scope": args.scope,
-        "steps": args.steps,
         "prompt_file": None if args.prompt_file is None else str(args.prompt_file),
         "prompt_tokens": args.prompt_tokens,
         "question": question,

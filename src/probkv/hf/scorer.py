@@ -2,7 +2,7 @@
 
 A scorer (``probkv.scores.surrogate.SurrogateScorer``) is trained for one model; its file stores
 that model's identity: the config fields that fix the layers' and heads' shapes, and their
-digest. ``scorer_for_config`` finds the scorer shipped in the package (``probkv/scorers/``)
+digest. ``scorer_for_config`` finds the scorer shipped in the package (``probkv/scores/scorers/``)
 (``probkv.scores.surrogate.shipped_scorers``) whose digest matches a config, or refuses the model by name, listing the models that have
 one. ``with_scorer`` completes a ``kvzap`` policy's ``score_params`` with it, so that
 ``kvzap``, ``prob:kvzap`` and ``topk:kvzap`` work by name; a scorer passed explicitly

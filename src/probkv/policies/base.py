@@ -35,6 +35,12 @@ DEFAULT_SCORE_PARAMS: dict[str, dict[str, object]] = {
 }
 
 
+# what ``calibrated_selections`` takes: one entry per layer
+Selections = Sequence[RaggedSelection]
+Observations = Sequence[LayerObservation]
+LayerTensors = Sequence[tuple[torch.Tensor, torch.Tensor]]  # each layer's (key, value)
+
+
 @dataclass(frozen=True)
 class EvictionPolicy(ABC):
     """Base of every method.
@@ -80,10 +86,7 @@ class EvictionPolicy(ABC):
         return False
 
     def calibrated_selections(
-        self,
-        selections: Sequence[RaggedSelection],
-        observations: Sequence[LayerObservation],
-        tensors: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        self, selections: Selections, observations: Observations, tensors: LayerTensors
     ) -> list[RaggedSelection]:
         """The selections with calibrated weights (only policies that ``calibrates``)."""
         return list(selections)

@@ -51,21 +51,20 @@ def common_length(observations: Sequence[LayerObservation]) -> int:
 def select(
     observations: Sequence[LayerObservation],
     pis: Sequence[torch.Tensor],
+    policy,
     *,
-    ratio: float,
-    block: int,
-    aggregate: str,
-    tau: float = 1.0,
     choose: Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor | None]],
+    tau: float = 1.0,
 ) -> list[RaggedSelection]:
-    """The same blocks for every observation. ``pis``: each layer's ``[H, t]`` proposal (zero at
-    forced entries, ``obs.forced``); ``choose(mass, forced, k)`` gives the kept blocks (bool
-    ``[K]``) and their inclusion probabilities (``None``: no weights); the log-weights are
-    ``-log P_b / tau``."""
+    """The same blocks for every observation, by ``policy``'s ``ratio``, ``block`` and
+    ``aggregate``. ``pis``: each layer's ``[H, t]`` proposal (zero at forced entries,
+    ``obs.forced``); ``choose(mass, forced, k)`` gives the kept blocks (bool ``[K]``) and their
+    inclusion probabilities (``None``: no weights); the log-weights are ``-log P_b / tau``."""
+    block = policy.block
     t = common_length(observations)
-    mass = model_blocks.block_masses(pis, block, aggregate)
+    mass = model_blocks.block_masses(pis, block, policy.aggregate)
     forced = model_blocks.forced_blocks([obs.forced for obs in observations], t, block)
-    k = model_blocks.block_budget(budgets.uniform_budget(t, ratio), t, block)
+    k = model_blocks.block_budget(budgets.uniform_budget(t, policy.ratio), t, block)
     kept_blocks, inclusion = choose(mass, forced, k)
     kept = model_blocks.expand(kept_blocks, t, block)
     logw = None

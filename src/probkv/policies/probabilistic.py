@@ -30,6 +30,9 @@ from probkv.policies import model_wide, prob_designs
 from probkv.policies.base import (
     EvictionPolicy,
     LayerObservation,
+    LayerTensors,
+    Observations,
+    Selections,
     fit_forced,
     keep_everything,
     recent_count,
@@ -228,10 +231,7 @@ class ProbabilisticPolicy(EvictionPolicy):
         return not math.isinf(self.weighting.calibrate) and self.ratio > 0.0
 
     def calibrated_selections(
-        self,
-        selections: Sequence[RaggedSelection],
-        observations: Sequence[LayerObservation],
-        tensors: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        self, selections: Selections, observations: Observations, tensors: LayerTensors
     ) -> list[RaggedSelection]:
         """S9: each layer's weights fitted to its reference queries (``probkv.estimation.calibration``);
         the kept entries stay the design's."""
@@ -349,15 +349,8 @@ class ProbabilisticPolicy(EvictionPolicy):
             )
             return kept, inclusion if self.corrected else None
 
-        return model_wide.select(
-            observations,
-            pis,
-            ratio=self.ratio,
-            block=self.block,
-            aggregate=self.aggregate,
-            tau=self.tau if self.corrected else 1.0,
-            choose=choose,
-        )
+        tau = self.tau if self.corrected else 1.0
+        return model_wide.select(observations, pis, self, choose=choose, tau=tau)
 
     def _global_keys(self, obs: LayerObservation, pooled: torch.Tensor) -> torch.Tensor:
         """``[Hkv, t]`` float64 keys comparable across heads (S9 global), from the pooled

@@ -230,11 +230,8 @@ class TopKPolicy(EvictionPolicy):
         for obs in observations:
             pooled = proposals.max_pool_log_scores(obs.log_scores, self.pool, forced=obs.forced)
             pis.append(proposals.proposal_from_log_scores(pooled, forced=obs.forced))
-        return model_wide.select(
-            observations,
-            pis,
-            ratio=self.ratio,
-            block=self.block,
-            aggregate=self.aggregate,
-            choose=lambda mass, forced, k: (model_blocks.top_blocks(mass, forced, k), None),
-        )
+
+        def choose(mass, forced, k):
+            return model_blocks.top_blocks(mass, forced, k), None
+
+        return model_wide.select(observations, pis, self, choose=choose)

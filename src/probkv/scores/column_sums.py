@@ -110,13 +110,22 @@ def _check_row_weights(row_weights: torch.Tensor | None, t: int) -> torch.Tensor
     return row_weights
 
 
+def _check_inputs(query, key, value, query_name: str) -> None:
+    """Floating tensors of matching heads (``value`` may be ``None``)."""
+    _check_floating(query, query_name)
+    _check_floating(key, "key")
+    if value is not None:
+        _check_floating(value, "value")
+    check_heads(query, key, value)
+
+
 def causal_attention_with_column_sums(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor | None,
     *,
     scale: float,
-    row_weights: torch.Tensor | None,
+    row_weights: torch.Tensor | None = None,
     chunk_size: int | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Exact causal softmax attention in row chunks, with weighted column sums (S1, S2).
@@ -128,7 +137,7 @@ def causal_attention_with_column_sums(
         scale: logit scale (usually ``d ** -0.5``).
         row_weights: ``[S, t]`` one weight per query row for each of ``S`` weightings
             (e.g. ``torch.stack([uniform_row_weights(t), harmonic_row_weights(t)])``), or
-            ``None`` for ``S = 0``.
+            ``None`` (the default) for ``S = 0``.
         chunk_size: rows per chunk; ``None`` picks ``default_chunk_size`` (64 rows on CPU,
             fewer if one chunk's scores would exceed ``DEFAULT_CHUNK_BYTES`` = 64 MiB; off
             CPU as many as fit that budget). Peak extra memory is ``O(chunk * t)`` per head.
@@ -144,11 +153,7 @@ def causal_attention_with_column_sums(
     GQA is handled without repeating keys: the ``g`` query heads of a group are stacked
     into one ``[g * rows, d]`` matrix per KV head and multiplied in one batched matmul.
     """
-    _check_floating(query, "query")
-    _check_floating(key, "key")
-    if value is not None:
-        _check_floating(value, "value")
-    check_heads(query, key, value)
+    _check_inputs(query, key, value, "query")
     if query.shape[1] != key.shape[1]:
         raise ValueError(
             f"query length {query.shape[1]} must equal key length {key.shape[1]} "
@@ -175,11 +180,7 @@ def causal_attention_rows_with_column_sums(
     accumulates them exactly). ``row_weights``: ``[S, q]``, one weight per given row.
     Returns ``output [Hq, q, d_v]`` (or ``None``) and ``column_sums [S, Hq, t]``.
     """
-    _check_floating(query_rows, "query_rows")
-    _check_floating(key, "key")
-    if value is not None:
-        _check_floating(value, "value")
-    check_heads(query_rows, key, value)
+    _check_inputs(query_rows, key, value, "query_rows")
     if query_rows.shape[1] > key.shape[1]:
         raise ValueError(
             f"query_rows has {query_rows.shape[1]} rows but there are only {key.shape[1]} keys "

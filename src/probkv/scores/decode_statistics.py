@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from probkv import scores
-from probkv.scores.observation import LayerObservation
+from probkv.scores.observation import LayerObservation, score_observation
 
 # Rates s_k = 2^k of the harmonic kernel's exponential sum (module docstring).
 HARMONIC_RATES = tuple(2.0**k for k in range(-24, 5))
@@ -282,22 +282,17 @@ class DecodeStatistics:
             rows_param = scores.score_spec(self.score).last_rows
             if isinstance(rows_param, str):  # e.g. SnapKV's window: at most the rows seen
                 params[rows_param] = min(scores.last_query_rows(self.score, params), rows.shape[1])
-        result = scores.compute_scores(
-            self.score,
+        return score_observation(
             query,
             keys,
             values,
-            scale=scale,
-            column_sums=self.column_sums(heads, n),
-            layer_idx=layer_idx,
-            **params,
-        )
-        return LayerObservation(
+            scale,
+            self.score,
+            params,
+            self.column_sums(heads, n),
             layer_idx=layer_idx,
             rank=rank,
-            log_scores=result.log_scores,
-            forced=result.forced,
-            last_query_attention=self.last_attention[list(heads), :n],
+            last_attention=self.last_attention[list(heads), :n],
         )
 
     def keep(self, kept: Sequence[torch.Tensor]) -> None:

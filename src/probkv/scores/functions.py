@@ -153,45 +153,45 @@ def _last_row(query: torch.Tensor, key: torch.Tensor, scale: float) -> torch.Ten
 # ------------------------------------------------------------------------------ scores
 
 
-def h2o(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    *,
-    scale: float,
-    chunk_size: int | None = None,
-    column_sums: torch.Tensor | None = None,
-    alpha: torch.Tensor | None = None,
-) -> Scores:
-    """H2O (S2, S5): ``log sum_j p_j(i)``, column sums over every causal row.
+def _accumulated_attention(weights: Literal["uniform", "harmonic"], name: str, doc: str):
+    """An H2O score of one row weighting (S2): the log of each entry's weighted column sums,
+    per query head normalised, GQA group mixture with ``alpha``, floored. Computed in row
+    chunks (never ``t x t``) unless the ``column_sums [Hq, t]`` of that weighting, from
+    ``causal_attention_with_column_sums``, are given."""
 
-    Computed in row chunks (never ``t x t``) unless the uniform ``column_sums [Hq, t]``
-    from ``causal_attention_with_column_sums`` are given. Per query head normalised, GQA
-    group mixture with ``alpha``, floored.
-    """
-    check_layer_tensors(query, key, None)
-    sums = _column_sums(
-        query, key, scale=scale, weights="uniform", column_sums=column_sums, chunk_size=chunk_size
-    )
-    return Scores(_group_log_scores(sums, key.shape[0], alpha))
+    def score(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        *,
+        scale: float,
+        chunk_size: int | None = None,
+        column_sums: torch.Tensor | None = None,
+        alpha: torch.Tensor | None = None,
+    ) -> Scores:
+        check_layer_tensors(query, key, None)
+        sums = _column_sums(
+            query, key, scale=scale, weights=weights, column_sums=column_sums, chunk_size=chunk_size
+        )
+        return Scores(_group_log_scores(sums, key.shape[0], alpha))
+
+    score.__name__ = score.__qualname__ = name
+    score.__doc__ = doc
+    return score
 
 
-def h2o_harmonic(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    *,
-    scale: float,
-    chunk_size: int | None = None,
-    column_sums: torch.Tensor | None = None,
-    alpha: torch.Tensor | None = None,
-) -> Scores:
+h2o = _accumulated_attention(
+    "uniform",
+    "h2o",
+    """H2O (S2, S5): ``log sum_j p_j(i)``, column sums over every causal row (uniform
+    weights); ``column_sums``: the uniform ``[Hq, t]`` sums if already computed.""",
+)
+h2o_harmonic = _accumulated_attention(
+    "harmonic",
+    "h2o_harmonic",
     """H2O with the harmonic prior (S2 ``h2o-h``): ``log sum_j h_j p_j(i)``,
     ``h_j = 1 / ((t - j + 1) H_t)`` (recent rows weigh most). ``column_sums``: the
-    harmonic-weighted ``[Hq, t]`` sums if already computed."""
-    check_layer_tensors(query, key, None)
-    sums = _column_sums(
-        query, key, scale=scale, weights="harmonic", column_sums=column_sums, chunk_size=chunk_size
-    )
-    return Scores(_group_log_scores(sums, key.shape[0], alpha))
+    harmonic-weighted ``[Hq, t]`` sums if already computed.""",
+)
 
 
 def min_variance(

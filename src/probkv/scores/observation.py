@@ -115,17 +115,18 @@ def observe_layer(
         column_sums = sums[0]
     else:
         out = dense_causal_attention(query, key, value, scale)
-    observation = _observation(
+    observation = score_observation(
         query, key, value, scale, score, params, column_sums, layer_idx=layer_idx, rank=rank
     )
     return out, observation
 
 
-def _observation(
-    query, key, value, scale, score, params, column_sums, *, layer_idx, rank
+def score_observation(
+    query, key, value, scale, score, params, column_sums, *, layer_idx, rank, last_attention=None
 ) -> LayerObservation:
     """The scores of ``score`` and the last query's attention (S2, S6): ``query [Hq, t, d]``
-    needs real values only in the rows the score reads besides ``column_sums``."""
+    needs real values only in the rows the score reads besides ``column_sums``;
+    ``last_attention [Hkv, t]``, if known (a decode stage keeps it), else computed."""
     result = scores.compute_scores(
         score,
         query,
@@ -141,7 +142,9 @@ def _observation(
         rank=rank,
         log_scores=result.log_scores,
         forced=result.forced,
-        last_query_attention=last_query_attention(query, key, scale),
+        last_query_attention=(
+            last_query_attention(query, key, scale) if last_attention is None else last_attention
+        ),
     )
 
 
@@ -243,7 +246,7 @@ class PrefillStatistics:
             # The score reads only these rows (``last_query_rows``); the others are zeros.
             query = kept.new_zeros(kept.shape[0], t, kept.shape[2])
             query[:, t - kept.shape[1] :] = kept
-        return _observation(
+        return score_observation(
             query,
             key,
             value,
