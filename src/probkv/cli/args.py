@@ -92,9 +92,9 @@ def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         choices=DTYPE_CHOICES,
         default=DEFAULT_DTYPE,
-        help=f"model dtype (default {DEFAULT_DTYPE}: bfloat16 where the hardware computes it "
-        "natively, CPU AMX/AVX512-BF16 or CUDA, else float32); attention scores, proposals "
-        "and log-weights stay float32",
+        help=f"model dtype (default {DEFAULT_DTYPE}: bfloat16 where this CPU computes it "
+        "natively, with AMX-BF16 or AVX512-BF16 units, else float32; models load on the CPU); "
+        "attention scores, proposals and log-weights stay float32",
     )
 
 
