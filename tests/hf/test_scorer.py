@@ -4,13 +4,15 @@ identity, the shipped-scorer lookup (refused by name without one), kvzap by name
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
 import torch
 
-from probkv.hf import ProbKVCache, compress, prepare_model
+from probkv.hf import ProbKVCache, compress, observe, prepare_model
 from probkv.hf import scorer as hs
+from probkv.hf.scorer import with_scorer
 from probkv.models.testing import tiny_model
 from probkv.policies import parse_method
 from probkv.scores import surrogate as sg
@@ -73,6 +75,20 @@ def test_an_explicit_scorer_of_another_model_is_refused_by_name(model):
         compress(model, _ids(30), policy)
 
 
+def test_one_kvzap_observation_serves_every_kvzap_policy(model, monkeypatch):
+    """probkv eval observes once and evicts a copy per policy: a copied cache holds a copy of
+    the scorer (a dataclass of tensors), which must count as the same parameter."""
+    monkeypatch.setattr(hs, "shipped_scorers", lambda: (_scorer_for(model),))
+    policy = parse_method("kvzap", 0.5)
+    cache = observe(model, _ids(30), "kvzap", with_scorer(policy, model.config).score_params)
+    for method in ("kvzap", "prob:kvzap", "topk:kvzap"):
+        copy.deepcopy(cache).evict(parse_method(method, 0.5))
+    other = dataclasses.replace(_scorer_for(model), recipe={"teacher": "another"})
+    monkeypatch.setattr(hs, "shipped_scorers", lambda: (other,))
+    with pytest.raises(ValueError, match="observed"):
+        copy.deepcopy(cache).evict(parse_method("kvzap", 0.5))
+
+
 def test_kvzap_is_refused_by_name_under_a_decode_budget(model, monkeypatch):
     """S10.5, S11: after a stage the heads hold different positions, and the scorer reads every
     head's features at one position, so a decode budget refuses kvzap in every form."""
@@ -86,19 +102,23 @@ def test_kvzap_is_refused_by_name_under_a_decode_budget(model, monkeypatch):
 
 
 @pytest.mark.slow
-def test_shipped_smollm2_scorer_matches_its_model_and_refuses_gemma():
-    """The package ships the SmolLM2 scorer (pyproject package-data); it is found for
-    SmolLM2's config and refused by name for Gemma-3, which has none."""
+def test_shipped_scorers_match_their_models_and_refuse_others():
+    """The package ships the SmolLM2 and Gemma-3 scorers (pyproject package-data); each is
+    found for its own model's config, fits that model's evicting layers, and a model of other
+    shapes is refused by name."""
     from transformers import AutoConfig
 
     from probkv.models import resolve_model
+    from probkv.models.testing import tiny_model
 
-    assert "smollm2-135m" in sg.scorer_names()
-    smol = AutoConfig.from_pretrained(resolve_model("smollm2-135m").path)
-    scorer = hs.scorer_for_config(smol)
-    assert scorer.name == "smollm2-135m" and scorer.recipe["teacher"] == "kvzip"
-    assert sorted(scorer.layers) == list(range(smol.num_hidden_layers))
-    assert scorer.metrics["kept_overlap"]["0.5"] > 0.7  # measured held out at training
-    gemma = AutoConfig.from_pretrained(resolve_model("gemma3-270m").path)
+    assert {"smollm2-135m", "gemma3-270m"} <= set(sg.scorer_names())
+    for name in ("smollm2-135m", "gemma3-270m"):
+        config = AutoConfig.from_pretrained(resolve_model(name).path)
+        scorer = hs.scorer_for_config(config)
+        assert scorer.name == name and scorer.recipe["teacher"] == "kvzip"
+        text = config.get_text_config(decoder=True)
+        types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+        assert sorted(scorer.layers) == [i for i, t in enumerate(types) if t == "full_attention"]
+        assert scorer.metrics["kept_overlap"]["0.5"] > 0.7  # measured held out at training
     with pytest.raises(ValueError, match=r"no scorer for model .*smollm2-135m"):
-        hs.scorer_for_config(gemma)
+        hs.scorer_for_config(tiny_model("llama").config)

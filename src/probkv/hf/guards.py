@@ -26,6 +26,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -229,6 +230,10 @@ def _comparable(params: dict) -> dict:
 
 
 def _same(a, b) -> bool:
+    """Equal parameter values, tensors compared by value, also inside dataclasses, dicts and
+    sequences (a kvzap scorer is a dataclass of tensors; a copied cache holds a copy of it)."""
+    if a is b:
+        return True
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (
             isinstance(a, torch.Tensor)
@@ -236,12 +241,22 @@ def _same(a, b) -> bool:
             and a.shape == b.shape
             and torch.equal(a.cpu(), b.cpu())
         )
+    if dataclasses.is_dataclass(a) and not isinstance(a, type):
+        return type(a) is type(b) and all(
+            _same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a)
+        )
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     return a == b
 
 
 def _describe(policy: EvictionPolicy) -> str:
     params = {
-        k: "<tensor>" if isinstance(v, torch.Tensor) else v
+        k: "<tensor>"
+        if isinstance(v, torch.Tensor)
+        else (f"<{type(v).__name__}>" if dataclasses.is_dataclass(v) else v)
         for k, v in sorted(_comparable(policy.score_params).items())
     }
     return f"score {policy.score!r} with {params or 'no parameters'}"
