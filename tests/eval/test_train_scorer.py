@@ -70,12 +70,8 @@ def test_training_contexts_are_deterministic_and_fit_the_length():
     assert set(ts.CONTEXT_KINDS) == {"prose", *TASK_NAMES}
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    torch.set_num_threads(1)
-    model = prepare_model(tiny_model("llama", num_hidden_layers=2))
-    work = tmp_path_factory.mktemp("work")
-    scorer = ts.train_scorer(
+def _train(model, work):
+    return ts.train_scorer(
         model,
         tiny_tokenizer(),
         name="tiny",
@@ -85,6 +81,14 @@ def trained(tmp_path_factory):
         length=LENGTH,
         progress=False,
     )
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    torch.set_num_threads(1)
+    model = prepare_model(tiny_model("llama", num_hidden_layers=2))
+    work = tmp_path_factory.mktemp("work")
+    scorer = _train(model, work)
     return model, scorer, work
 
 
@@ -104,16 +108,7 @@ def test_train_scorer_measures_every_feature_kind(trained):
 def test_train_scorer_resumes_from_saved_teacher_statistics(trained):
     model, scorer, work = trained
     saved = {p.name: p.stat().st_mtime_ns for p in work.glob("*.pt")}
-    again = ts.train_scorer(
-        model,
-        tiny_tokenizer(),
-        name="tiny",
-        work_dir=work,
-        contexts=4,
-        heldout=2,
-        length=LENGTH,
-        progress=False,
-    )
+    again = _train(model, work)
     assert {p.name: p.stat().st_mtime_ns for p in work.glob("*.pt")} == saved
     for i in scorer.layers:
         torch.testing.assert_close(again.layers[i].weight, scorer.layers[i].weight)

@@ -415,10 +415,10 @@ class ProbKVCache(Cache):
         guards.check_policy_type(policy)
         if prompt_length is not None:
             check_positive_int(prompt_length, "prompt_length")
-        policy = with_scorer(policy, config, max_entries)  # kvzap: the model's scorer (S11)
         budget = guards.decode_budget(max_entries, every)
         if budget is not None:
             budget.check_policy(policy)
+        policy = with_scorer(policy, config)  # kvzap: the model's scorer (S11)
         text_config = config.get_text_config(decoder=True)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
         num_evicting = layer_types.count("full_attention")
@@ -530,9 +530,9 @@ class ProbKVCache(Cache):
         layers = [self.layers[i] for i in self.evicting_layers]
         if policy is not None:  # what the policy is, before whether the cache can serve it
             guards.check_policy_type(policy)
-            policy = with_scorer(policy, self.model_config, self.decode_budget)
             if self.decode_budget is not None:
                 self.decode_budget.check_policy(policy)
+            policy = with_scorer(policy, self.model_config)
         guards.check_can_evict({layer.layer_idx: layer.state.value for layer in layers})
         if policy is not None:
             guards.check_observed(self.observing, policy)

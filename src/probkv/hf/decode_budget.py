@@ -81,6 +81,11 @@ class DecodeBudget:
             refused.append(f"scope={policy.scope!r}")
         if scores.needs_reconstruction(policy.score):
             refused.append(f"score={policy.score!r} (read from a reconstruction pass, S10.1)")
+        if scores.score_spec(policy.score).cross_head:
+            refused.append(
+                f"score {policy.score!r} under a decode budget (each head's score reads every KV "
+                "head at one position, which a stage's per-head sets break)"
+            )
         if getattr(policy, "units", "blocks") != "blocks":
             # spans of unequal size keep a random count, with no bound of one block (S10.3)
             refused.append(f"units={policy.units!r} (its kept count has no bound)")

@@ -77,20 +77,12 @@ def scorer_for_config(config) -> SurrogateScorer:
     )
 
 
-def with_scorer(policy, config, decode_budget=None):
+def with_scorer(policy, config):
     """``policy`` with the model's kvzap scorer in its ``score_params`` (module docstring);
-    other scores unchanged. Under a decode budget (``decode_budget``: the cache's budget or
-    its ``max_entries``, ``None`` without one) kvzap is refused: its scorer reads every
-    KV head's features at one position, but after a stage the heads hold different entries
-    (a scorer per head, reading only its own head's key and value, would fit S10.5)."""
+    other scores unchanged. (A decode budget refuses kvzap, ``ScoreSpec.cross_head``: its
+    scorer reads every KV head at one position; one per head would fit S10.5.)"""
     if policy.score != SCORE:
         return policy
-    if decode_budget is not None:
-        raise ValueError(
-            "score 'kvzap' under a decode budget (max_entries): its scorer predicts each head "
-            "from every KV head's key and value at the same position, and after a stage the "
-            "heads hold different positions; use it without max_entries"
-        )
     given = policy.score_params.get("surrogate")
     if given is not None:
         given.check_model(config_digest(model_shapes(config)), model_label(config))

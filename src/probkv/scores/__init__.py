@@ -152,6 +152,9 @@ class ScoreSpec:
     ``||v_i||_2`` (S2's minimum-variance scores ``min``, ``min-h``); a decode budget divides it
     back out of the prompt's scores to start its column sums
     (``probkv.scores.decode_statistics.DecodeStatistics.from_prompt``). Needs the ``value`` input.
+    ``cross_head``: a head's score of an entry reads the other KV heads' entries at the same
+    position (``kvzap``'s scorer): true at prefill, where every head holds every position, not
+    after a decode stage, where each head holds its own entries, so a decode budget refuses it.
     """
 
     function: Callable[..., Scores]
@@ -162,6 +165,7 @@ class ScoreSpec:
     source: Literal["prefill", "reconstruction"] = "prefill"
     last_rows: int | str = 1
     value_norm: bool = False
+    cross_head: bool = False
 
     def __post_init__(self) -> None:
         # A row that cannot be called as declared fails at import, not at the first prefill.
@@ -280,6 +284,7 @@ SCORE_TABLE: dict[str, ScoreSpec] = {
         ("key", "value", "layer_idx"),
         {"surrogate": Param(check=check_scorer, tensor=True), "sinks": _SINKS},
         attention_scale=True,
+        cross_head=True,
     ),
 }
 
