@@ -2,7 +2,8 @@
 
 transformers calls ``cache.update(key, value, layer_idx, kwargs=kwargs)`` and then the
 registered attention function with ``**kwargs``; ``EvictingLayer.update`` puts itself into that
-dict, so this function receives the layer as ``probkv_layer``. Layers that are not evicting
+dict, so this function receives the layer as ``probkv_layer`` (``probkv.hf.channel``; older
+transformers: a per-thread slot). Layers that are not evicting
 (Gemma-3's sliding-window layers, or a plain ``DynamicCache``) get transformers' own SDPA path.
 
 For an evicting layer, its state (``probkv.hf.cache.LayerState``) decides:
@@ -29,6 +30,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
+from probkv.hf import channel
 from probkv.hf.cache import EvictingLayer, LayerState
 from probkv.hf.decode_budget import after_decode_attention, decode_rows_needed
 from probkv.hf.eviction import evict_decode_stage
@@ -57,6 +59,7 @@ def probkv_attention_forward(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The ``"probkv"`` attention implementation. Returns ``([B, q, Hq, d_v], weights)``."""
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    probkv_layer = channel.take(module, probkv_layer)
     if probkv_layer is None:
         out, weights = sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs

@@ -41,7 +41,7 @@ from transformers.cache_utils import (
 from probkv._checks import check_positive_int
 from probkv.estimation import compose_log_weights
 from probkv.estimation.selection import RaggedSelection
-from probkv.hf import guards
+from probkv.hf import channel, guards
 from probkv.hf.decode_budget import DecodeBudget, LayerDecodeState
 from probkv.hf.eviction import evict_layers
 from probkv.hf.prefill import ObserveOnly, PromptReading
@@ -50,7 +50,6 @@ from probkv.hf.report import LayerReport
 from probkv.hf.scorer import with_scorer
 from probkv.policies.base import EvictionPolicy, LayerObservation
 
-KWARGS_CHANNEL_KEY = "probkv_layer"
 __all__ = ["EvictingLayer", "LayerReport", "LayerState", "ObserveOnly", "ProbKVCache"]
 
 
@@ -149,11 +148,6 @@ class EvictingLayer(CacheLayerMixin):
                 f"layer {self.layer_idx}: the previous forward did not run probkv's attention function; "
                 "call probkv.hf.prepare_model(model) so the model uses attn_implementation='probkv'."
             )
-        if kwargs is None:
-            raise RuntimeError(
-                "probkv needs transformers to pass the attention kwargs to cache.update(..., kwargs=...) "
-                "(transformers==5.24.0 does); this transformers version does not."
-            )
         if self.state is LayerState.RECONSTRUCTING:
             # S10.1: the chunk attends to the cache and to itself but is never stored
             self.scoring.keys, self.scoring.values = key_states, value_states
@@ -161,7 +155,7 @@ class EvictingLayer(CacheLayerMixin):
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
             self.tail.append(key_states, value_states, self._tail_capacity)
-        kwargs[KWARGS_CHANNEL_KEY] = self  # hand this layer to the attention function
+        channel.hand_over(self, kwargs)  # to the attention function (probkv.hf.channel)
         self._awaiting_attention = True
         return self.tail_keys, self.tail_values
 

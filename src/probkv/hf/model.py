@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import inspect
 import types
 
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
+from transformers.models.llama.modeling_llama import LlamaModel
 
+from probkv.hf import guards
 from probkv.hf.attention import ATTN_IMPLEMENTATION, probkv_attention_forward, probkv_mask
 from probkv.hf.cache import ProbKVCache
 
@@ -20,6 +23,15 @@ SUPPORTED_MODEL_TYPES = {
     "gemma3_text": "global-attention layers; sliding-window layers are kept",
 }
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+
+# transformers 5.24 renamed the forward and ``generate`` argument ``past_key_values`` to
+# ``cache`` (the old name still works there, deprecated); 5.19, the newest vLLM 0.32 accepts,
+# knows only ``past_key_values`` and would put ``cache=`` into ``**kwargs`` unread, so the
+# cache would silently not be used. A prepared model takes ``cache=`` on every supported
+# version: on the older ones its ``forward`` and ``generate`` pass it on under the old name.
+CACHE_ARGUMENT = (
+    "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
+)
 
 
 def check_model_supported(model) -> None:
@@ -71,13 +83,38 @@ def prepare_model(model):
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
     if getattr(model.generate, "__func__", None) is not _checked_generate:
         model.generate = types.MethodType(_checked_generate, model)
+    if CACHE_ARGUMENT != "cache" and getattr(model.forward, "__func__", None) is not _forward:
+        model.forward = types.MethodType(_forward, model)
     return model
+
+
+def _renamed(kwargs: dict) -> dict:
+    """``kwargs`` with ``cache=`` passed under this transformers' own name (``CACHE_ARGUMENT``)."""
+    if CACHE_ARGUMENT == "cache" or "cache" not in kwargs:
+        return kwargs
+    if kwargs.get(CACHE_ARGUMENT) is not None:
+        raise ValueError(f"pass the cache once: got both cache= and {CACHE_ARGUMENT}=")
+    kwargs = dict(kwargs)
+    kwargs[CACHE_ARGUMENT] = kwargs.pop("cache")
+    return kwargs
+
+
+def _forward(self, *args, **kwargs):
+    """``forward`` of a prepared model on a transformers before 5.24 (``CACHE_ARGUMENT``).
+    Those versions pass no attention kwargs to ``cache.update``, where the cache checks that
+    the input continues what it holds (``guards.check_continues``): the check runs here."""
+    kwargs = _renamed(kwargs)
+    cache = kwargs.get(CACHE_ARGUMENT)
+    if isinstance(cache, ProbKVCache):
+        guards.check_continues(cache.get_seq_length(), kwargs)
+    return type(self).forward(self, *args, **kwargs)
 
 
 def _checked_generate(self, *args, **kwargs):
     """``generate`` of a prepared model (``prepare_model``): the class's own, with the cache's
     checks of the prompt's ids before and its record of them after."""
-    cache = kwargs.get("cache")
+    kwargs = _renamed(kwargs)
+    cache = kwargs.get(CACHE_ARGUMENT)
     ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
     tracks = isinstance(cache, ProbKVCache) and isinstance(ids, torch.Tensor)
     tracks = tracks and cache.before_generate(ids)

@@ -69,7 +69,7 @@ logger = logging.getLogger(__name__)
 #: Environment variable that overrides the cache folder.
 CACHE_ENV = "PROBKV_CACHE_DIR"
 #: Bumped whenever the layout of a converted folder changes (it is part of the cache key).
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: a GGUF's add_bos_token is kept (transformers 5.19 dropped it)
 DEFAULT_MODEL = "smollm2-135m"
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
@@ -331,8 +331,28 @@ def _export_gguf(gguf: Path, out: Path) -> None:
         quantization_config=GgufConfig(dequantize=True),
         local_files_only=True,
     )
+    _keep_bos(tokenizer, gguf)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+
+
+def _keep_bos(tokenizer, gguf: Path) -> None:
+    """Make ``tokenizer`` start every text with BOS when the GGUF says so
+    (``tokenizer.ggml.add_bos_token``). transformers 5.19's conversion drops it for Gemma-3
+    (whose outputs are then wrong: "The capital of Germany is" continues with "Paris"); 5.24
+    keeps it, and then this changes nothing."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(gguf).fields.get("tokenizer.ggml.add_bos_token")
+    adds_bos = field is not None and bool(field.parts[field.data[0]][0])
+    bos, bos_id = tokenizer.bos_token, tokenizer.bos_token_id
+    if not adds_bos or bos_id is None or tokenizer("a").input_ids[:1] == [bos_id]:
+        return
+    from tokenizers import processors
+
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
+    )
 
 
 def _write_manifest(folder: Path, key: str, sha: str, sources: Sequence[Path]) -> None:
