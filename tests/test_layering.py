@@ -42,12 +42,13 @@ LAYERS = {
     ),
     "policies": ("probkv.policies",),
     "hf": ("probkv.hf",),
+    "vllm": ("probkv.vllm",),
     "models": ("probkv.models",),
     "eval": ("probkv.eval",),
     "cli": ("probkv.cli",),
 }
 HIGHER_LAYERS = tuple(
-    p for name in ("policies", "hf", "models", "eval", "cli") for p in LAYERS[name]
+    p for name in ("policies", "hf", "vllm", "models", "eval", "cli") for p in LAYERS[name]
 )
 FORBIDDEN = {
     "maths": ("transformers", *HIGHER_LAYERS),
@@ -261,3 +262,18 @@ def test_no_import_cycles():
             for m in MODULES
         }
         assert cycles(edges) == [], "lazy imports included" if lazy else "module-level imports"
+
+
+def test_only_the_vllm_integration_imports_vllm_and_it_leaves_the_hf_one_alone():
+    """Every vLLM-specific line lives in probkv.vllm, which shares nothing with probkv.hf: the
+    two integrations meet only in the layers below (maths, policies)."""
+    bad = []
+    for module in MODULES:
+        for name in imports(module):
+            if (name == "vllm" or name.startswith("vllm.")) and layer(module) != "vllm":
+                bad.append(f"{module} imports {name}")
+            if layer(module) == "vllm" and name.startswith("probkv.hf"):
+                bad.append(f"{module} imports {name}")
+            if layer(module) == "hf" and name.startswith("probkv.vllm"):
+                bad.append(f"{module} imports {name}")
+    assert bad == []

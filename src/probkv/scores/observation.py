@@ -224,6 +224,28 @@ class PrefillStatistics:
         self.length = t
         return out
 
+    def add_rows(self, query: torch.Tensor, t: int) -> None:
+        """A chunk whose attention output is computed elsewhere (a serving engine's kernel):
+        ``query [Hq, q, d]`` are rows ``t - q .. t - 1``. Only for scores without column sums,
+        which read nothing of a chunk but its last rows (``last_query_rows``)."""
+        if scores.column_sums_needed(self.score) is not None:
+            raise ValueError(
+                f"score {self.score!r} needs every row's column sums (S2): use add_chunk"
+            )
+        q = query.shape[1]
+        if t - q != self.length:
+            raise ValueError(
+                f"a prefill chunk must continue the {self.length} rows seen, got {q} rows at "
+                f"positions {t - q}..{t - 1}"
+            )
+        if self.prompt_length is not None and t > self.prompt_length:
+            raise ValueError(
+                f"the prompt has {t} tokens, beyond prompt_length={self.prompt_length}"
+            )
+        rows = query if self.last_queries is None else torch.cat([self.last_queries, query], 1)
+        self.last_queries = rows[:, -self.rows_kept :].clone()
+        self.length = t
+
     def observe(
         self,
         key: torch.Tensor,

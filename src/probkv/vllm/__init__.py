@@ -1,0 +1,23 @@
+"""probkv inside vLLM (``pip install 'probkv[vllm]'``): model-wide block eviction after each
+request's prefill, the freed blocks returned to vLLM's pool, and the importance weights added
+to the logits of every later decode step (S4, S11). Switched on per engine by
+``additional_config={"probkv": {"method": NAME, "ratio": R}}``; see docs/vllm.md.
+
+Importing this package imports nothing of vLLM: ``options`` and ``requests`` are pure Python
+and tensors; ``plugin``, ``backend``, ``worker`` and ``scheduler`` are loaded by vLLM.
+"""
+
+from probkv.vllm.options import KEY, check_engine, policy_for, request_options
+
+__all__ = ["KEY", "check_engine", "engine_options", "policy_for", "request_options"]
+
+
+def engine_options(method: str, ratio: float, *, report: str | None = None) -> dict:
+    """Keyword arguments of ``vllm.LLM`` (or ``EngineArgs``) that switch probkv on:
+    ``LLM(model, **engine_options("prob:snapkv", 0.5))``. Prefix caching is switched off,
+    since eviction cannot free blocks that requests share."""
+    from probkv.vllm.options import read_options
+
+    raw = {"method": method, "ratio": ratio, **({"report": report} if report else {})}
+    read_options(raw)
+    return {"additional_config": {KEY: raw}, "enable_prefix_caching": False}

