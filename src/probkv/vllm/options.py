@@ -80,9 +80,13 @@ def policy_for(method: str, ratio: float, block_size: int) -> EvictionPolicy | N
     reconstruction scores and calibrated weights are refused by name."""
     if not isinstance(method, str) or not method.strip():
         raise ValueError(f"method must be a probkv method name, got {method!r}")
-    if isinstance(parse_method(method.split("/")[0], ratio), FullCache) or ratio == 0:
+    base = parse_method(method.split("/")[0], ratio)
+    if isinstance(base, FullCache) or ratio == 0:
         parse_method(method, ratio)  # full takes no options
         return None
+    why = _unsupported(base)
+    if why:
+        raise ValueError(f"method {method!r} cannot run in vLLM: {why}")
     options = dict(o.partition("=")[::2] for o in method.split("/")[1:])
     if options.get(SCOPE_NAME, "model") != "model":
         raise ValueError(

@@ -1,0 +1,136 @@
+"""probkv.vllm.requests: a request's eviction in a vLLM worker equals the transformers
+integration's under the same policy (same observation function, same select_layers), chunked
+or not, split over tensor-parallel ranks or not; decode attention against Algorithm 1."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from probkv.estimation import corrected_attention_reference
+from probkv.policies import parse_method, select_layers
+from probkv.scores.observation import observe_layer
+from probkv.vllm.requests import RequestEviction, decode_attention, visible_positions
+
+LAYERS = (0, 1, 2)
+HQ, HKV, D, T, BLOCK = 4, 2, 8, 45, 4
+
+
+def tensors(seed: int, t: int = T):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        tuple(torch.randn(h, t, D, generator=g) for h in (HQ, HKV, HKV)) for _ in LAYERS
+    ]  # per layer (query, key, value)
+
+
+def reference(policy, layer_tensors):
+    """The transformers integration's path: observe_layer per layer, then select_layers."""
+    obs = [
+        observe_layer(q, k, v, scale=D**-0.5, score=policy.score, score_params=policy.score_params,
+                      layer_idx=i, rank=i)[1]
+        for i, (q, k, v) in zip(LAYERS, layer_tensors)
+    ]  # fmt: skip
+    return select_layers(policy, obs, num_layers=len(LAYERS))
+
+
+def run(policy, layer_tensors, chunks, gather=None, heads=slice(None)):
+    request = RequestEviction(policy, T, BLOCK, LAYERS, D**-0.5)
+    bounds = [0, *chunks, T]
+    for lo, hi in itertools.pairwise(bounds):
+        for i, (q, k, v) in zip(LAYERS, layer_tensors):
+            group = HQ // HKV
+            qh = q[
+                heads.start * group if heads.start else None : heads.stop * group
+                if heads.stop
+                else None
+            ]
+            request.add_chunk(i, qh[:, lo:hi], k[heads, :hi], v[heads, :hi])
+    assert request.observed
+    return request.select() if gather is None else request.select(gather)
+
+
+METHODS = ["snapkv/window=8", "prob:snapkv/window=8", "tova", "prob:h2o", "knorm", "prob:min-h"]
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("chunks", [(), (20,), (7, 30, 44)])
+def test_kept_prefix_equals_the_transformers_selection(method, chunks):
+    policy = parse_method(f"{method}/scope=model/block={BLOCK}", 0.5)
+    layer_tensors = tensors(1)
+    kept = run(policy, layer_tensors, chunks)
+    ref = reference(policy, layer_tensors)[0]
+    positions, logw = ref.head(0)
+    assert torch.equal(kept.positions, positions)
+    expected = torch.zeros(positions.shape) if logw is None else logw
+    torch.testing.assert_close(kept.log_weights, expected, rtol=1e-5, atol=1e-5)
+    for sel in reference(policy, layer_tensors):  # one set for every layer and head
+        for h in range(HKV):
+            assert torch.equal(sel.head(h)[0], positions)
+
+
+@pytest.mark.parametrize("method", ["snapkv/window=8", "prob:snapkv/window=8", "prob:h2o"])
+def test_two_tensor_parallel_ranks_make_the_unsplit_selection(method):
+    """Each rank observes its own KV heads; gathering the heads' observations (an all-gather
+    over the TP group) gives every rank the selection of the unsplit model."""
+    policy = parse_method(f"{method}/scope=model/block={BLOCK}", 0.5)
+    layer_tensors = tensors(2)
+    recorded: list[torch.Tensor] = []
+
+    def record(x):
+        recorded.append(x)
+        return x
+
+    run(policy, layer_tensors, (20,), gather=record, heads=slice(1, 2))  # rank 1
+    mine = iter(recorded)
+    kept = run(policy, layer_tensors, (20,), gather=lambda x: torch.cat([x, next(mine)]),
+               heads=slice(0, 1))  # fmt: skip
+    ref = reference(policy, layer_tensors)[0].head(0)[0]
+    assert torch.equal(kept.positions, ref)
+
+
+def test_freed_blocks_are_the_evicted_blocks_inside_the_prompt():
+    policy = parse_method(f"knorm/scope=model/block={BLOCK}", 0.6)
+    kept = run(policy, tensors(3), ())
+    blocks = set((kept.positions // BLOCK).tolist())
+    whole = T // BLOCK  # 11 whole blocks; the 12th (positions 44..47) takes new tokens
+    assert kept.num_blocks == math.ceil(T / BLOCK)
+    assert set(kept.freed) == set(range(whole)) - blocks
+    assert all(b < whole for b in kept.freed)
+
+
+def test_a_policy_of_another_scope_or_block_is_refused_by_name():
+    with pytest.raises(ValueError, match="scope='model', block=4"):
+        RequestEviction(parse_method("snapkv", 0.5), T, BLOCK, LAYERS, 1.0)
+    with pytest.raises(ValueError, match="block=4"):
+        RequestEviction(parse_method("snapkv/scope=model/block=8", 0.5), T, BLOCK, LAYERS, 1.0)
+
+
+def test_select_before_every_layer_is_observed_names_the_layers():
+    request = RequestEviction(parse_method("tova/scope=model/block=4", 0.5), T, BLOCK, LAYERS, 1.0)
+    q, k, v = tensors(0)[0]
+    request.add_chunk(0, q, k, v)
+    with pytest.raises(ValueError, match=r"layers \[1, 2\]"):
+        request.select()
+
+
+def test_decode_attention_is_algorithm_1():
+    policy = parse_method(f"prob:snapkv/window=8/scope=model/block={BLOCK}", 0.5)
+    kept = run(policy, tensors(4), ())
+    n = T + 3  # three generated tokens after the prompt
+    positions, logw = visible_positions(kept, n)
+    assert positions[-3:].tolist() == [T, T + 1, T + 2] and logw[-3:].tolist() == [0, 0, 0]
+    g = torch.Generator().manual_seed(5)
+    keys, values = torch.randn(n, HKV, D, generator=g), torch.randn(n, HKV, D, generator=g)
+    query = torch.randn(1, HQ, D, generator=g)
+    out = decode_attention(query, keys[positions], values[positions], logw, scale=D**-0.5)
+    k = kept.positions.numel()
+    for h in range(HQ):
+        kv = h // (HQ // HKV)
+        ref = corrected_attention_reference(
+            query[0, h], keys[positions[:k], kv], values[positions[:k], kv], logw[:k],
+            keys[positions[k:], kv], values[positions[k:], kv], scale=D**-0.5,
+        )  # fmt: skip
+        torch.testing.assert_close(out[0, h].double(), ref, rtol=1e-5, atol=1e-6)
