@@ -12,12 +12,20 @@ from probkv.vllm.options import KEY, check_engine, policy_for, request_options
 __all__ = ["KEY", "check_engine", "engine_options", "policy_for", "request_options"]
 
 
-def engine_options(method: str, ratio: float, *, report: str | None = None) -> dict:
+def engine_options(
+    method: str, ratio: float, *, report: str | None = None, block_size: int = 32
+) -> dict:
     """Keyword arguments of ``vllm.LLM`` (or ``EngineArgs``) that switch probkv on:
-    ``LLM(model, **engine_options("prob:snapkv", 0.5))``. Prefix caching is switched off,
-    since eviction cannot free blocks that requests share."""
+    ``LLM(model, **engine_options("snapkv", 0.5))``. Prefix caching is switched off, since
+    eviction cannot free blocks that requests share; ``block_size`` 32 is the smallest block
+    vLLM's CPU backend takes (its default is 128), and smaller blocks lose fewer answers
+    (docs/evaluation.md, model-wide blocks)."""
     from probkv.vllm.options import read_options
 
     raw = {"method": method, "ratio": ratio, **({"report": report} if report else {})}
     read_options(raw)
-    return {"additional_config": {KEY: raw}, "enable_prefix_caching": False}
+    return {
+        "additional_config": {KEY: raw},
+        "enable_prefix_caching": False,
+        "block_size": block_size,
+    }
