@@ -106,7 +106,7 @@ def test_greedy_decoding_equals_the_transformers_integration_under_the_same_sele
         torch.tensor(logprobs, dtype=torch.float64),
         torch.tensor(hf_logprobs, dtype=torch.float64),
         rtol=0,
-        atol=1e-3,  # vLLM's and transformers' float32 kernels differ in summation order
+        atol=1e-4,  # measured 2-3e-5, as between the two engines' full caches (2.3e-5)
     )
     assert row == {}  # finished requests leave the scheduler's table
     assert 0 < cache.effective_ratio() < 1
