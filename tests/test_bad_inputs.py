@@ -904,6 +904,7 @@ def test_cli_corrupted_examples_file_names_file_and_line(tmp_path, cache, gguf):
 STOP_AFTER_ROWS = """
 import errno, os, signal, sys
 import probkv.cli.main, probkv.eval.runner as runner
+signal.signal(signal.SIGINT, signal.default_int_handler)  # even where the parent ignores it
 STOP, ACTION = {stop}, {action!r}
 written = []
 real_append = runner.append_row
