@@ -194,6 +194,7 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
 
 def run_eval_command(args: argparse.Namespace) -> int:
     """``probkv eval``: build the configuration (everything checked first), run, summarise."""
+    from probkv.eval.engines import check_engine_run
     from probkv.eval.runner import run_eval  # loads transformers: only when eval runs
 
     check_example_arguments(args)
@@ -215,6 +216,14 @@ def run_eval_command(args: argparse.Namespace) -> int:
         truncate_middle=args.truncate_middle,
         dtype=args.dtype,
         engine=args.engine,
+    )
+    check_engine_run(  # run_eval checks the canonical names again; here as typed
+        config,
+        workers=args.workers,
+        threads=args.threads,
+        reuse_prefill=not args.no_prefill_reuse,
+        tensor_parallel_size=args.tensor_parallel_size,
+        spelled=args.methods,
     )
     print(f"[probkv] model dtype: {config.dtype} (--dtype {args.dtype})", file=sys.stderr)
     start = time.perf_counter()

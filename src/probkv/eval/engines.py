@@ -33,10 +33,13 @@ def check_engine_run(
     threads: int = 1,
     reuse_prefill: bool = True,
     tensor_parallel_size: int | None = None,
+    spelled: Sequence[str] = (),
 ) -> None:
     """Refuse (ValueError naming the option) a run its engine cannot do: tensor parallelism
     with ``hf``; with ``vllm``, question-agnostic eviction, worker processes, torch threads,
-    ``--no-prefill-reuse`` and the methods the plugin refuses (``probkv.vllm.engine``)."""
+    ``--no-prefill-reuse`` and the methods the plugin refuses (``probkv.vllm.engine``), also
+    as ``spelled`` by the user (a canonical name drops options equal to the defaults, such as
+    ``scope=head``, which vLLM cannot run)."""
     if config.engine == "hf":
         if tensor_parallel_size is not None:
             raise ValueError(
@@ -73,7 +76,7 @@ def check_engine_run(
         )
     from probkv.vllm.engine import check_methods  # pure: imports nothing of vLLM
 
-    check_methods([m for m in config.methods if m != FULL], config.ratios)
+    check_methods([m for m in (*spelled, *config.methods) if m != FULL], config.ratios)
 
 
 def vllm_rows(
