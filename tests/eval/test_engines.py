@@ -83,3 +83,23 @@ def test_cli_refuses_before_loading(tmp_path, capsys):
     assert main([*aware, "--methods", "snapkv/scope=head"]) == 2  # canonical: "snapkv"
     assert "sets scope=head" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+def _folder(tmp_path, **config):
+    import json
+
+    base = {"architectures": ["LlamaForCausalLM"], "num_attention_heads": 9}
+    (tmp_path / "config.json").write_text(json.dumps(base | config | {"num_key_value_heads": 3}))
+    return str(tmp_path)
+
+
+def test_vllm_model_checks_from_its_config(tmp_path):
+    from probkv.vllm.engine import check_model
+
+    check_model(_folder(tmp_path), 3)  # SmolLM2's shape over 3 ranks
+    with pytest.raises(ValueError, match=r"9 attention heads \(3 KV heads\) do not divide over 2"):
+        check_model(_folder(tmp_path), 2)
+    with pytest.raises(ValueError, match=r"architecture \['Gemma3ForCausalLM'\]"):
+        check_model(_folder(tmp_path, architectures=["Gemma3ForCausalLM"]))
+    with pytest.raises(ValueError, match=r"sliding-window attention \(sliding_window=512\)"):
+        check_model(_folder(tmp_path, sliding_window=512))

@@ -79,6 +79,17 @@ def check_engine_run(
     check_methods([m for m in (*spelled, *config.methods) if m != FULL], config.ratios)
 
 
+def check_engine_model(config: RunConfig, *, tensor_parallel_size: int | None = None) -> None:
+    """With ``vllm``, refuse a model the plugin cannot run, or whose heads do not divide over
+    the ranks, from its ``config.json`` (``probkv.vllm.engine.check_model``); nothing with
+    ``hf``."""
+    if config.engine != "vllm":
+        return
+    from probkv.vllm.engine import check_model  # pure: imports nothing of vLLM
+
+    check_model(str(resolve_model(config.model).path), tensor_parallel_size or 1)
+
+
 def vllm_rows(
     config: RunConfig,
     units: Sequence[Unit],

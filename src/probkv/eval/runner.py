@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 
 from probkv._checks import check_positive_int
 from probkv.eval.config import FULL, RunConfig, config_identity
-from probkv.eval.engines import check_engine_run, vllm_rows
+from probkv.eval.engines import check_engine_model, check_engine_run, vllm_rows
 from probkv.eval.job import JobSettings, check_prompts, load_prepared_model, run_unit
 from probkv.eval.outputs import check_output_folder
 from probkv.eval.plan import job_key, load_run_examples, plan_units
@@ -128,6 +128,7 @@ def run_eval(
     identity = config_identity(config)
     check_folder(out, identity, force=force)  # another run's folder: refused before loading
     resolve_model(config.model)  # unknown or not installed: refused here, not in a worker
+    check_engine_model(config, tensor_parallel_size=tensor_parallel_size)
     model = None
     if workers == 1 and config.engine == "hf":
         model, tokenizer = load_prepared_model(config.model, threads, config.dtype)

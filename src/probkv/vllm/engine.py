@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from probkv.vllm.options import policy_for, request_options
+from probkv.vllm.options import ARCHITECTURES, policy_for, request_options
 
 #: Positions per KV block of the engines probkv eval starts (the CPU backend needs a multiple
 #: of 32; the plugin's selections are in whole blocks).
@@ -47,6 +47,33 @@ def check_methods(methods: Sequence[str], ratios: Sequence[float]) -> None:
                 policy_for(method, ratio, BLOCK_SIZE)
             except ValueError as err:
                 raise ValueError(f"--engine vllm: {err}") from None
+
+
+def check_model(model_path: str, tensor_parallel_size: int = 1) -> None:
+    """Refuse, from the folder's ``config.json`` and before any engine starts, a model the
+    plugin cannot evict in (its architecture, sliding-window attention) or whose attention
+    and KV heads do not divide over ``tensor_parallel_size`` ranks: ValueError naming it."""
+    config = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
+    config = config.get("text_config", config)
+    archs = list(config.get("architectures") or [])
+    if not set(archs) & set(ARCHITECTURES):
+        raise ValueError(
+            f"--engine vllm: model architecture {archs} of {model_path}: probkv's vLLM plugin "
+            f"supports {list(ARCHITECTURES)}"
+        )
+    if config.get("sliding_window") and config.get("use_sliding_window", True):
+        raise ValueError(
+            f"--engine vllm: {model_path} uses sliding-window attention "
+            f"(sliding_window={config['sliding_window']}), which the plugin does not support"
+        )
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads", heads)
+    if heads % tensor_parallel_size:
+        raise ValueError(
+            f"--tensor-parallel-size {tensor_parallel_size}: the model's {heads} attention "
+            f"heads ({kv_heads} KV heads) do not divide over {tensor_parallel_size} ranks; "
+            f"choose a divisor of {heads}"
+        )
 
 
 @dataclass(frozen=True)
@@ -91,9 +118,8 @@ class VllmRunner:
         kv_cache_bytes: int | None = None,
         seed: int = 0,
     ) -> None:
-        from vllm import LLM
-
         from probkv.vllm import engine_options
+        from vllm import LLM
 
         fd, report = tempfile.mkstemp(prefix="probkv-vllm-", suffix=".jsonl")
         os.close(fd)
