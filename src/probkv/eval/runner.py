@@ -38,6 +38,7 @@ from tqdm.auto import tqdm
 
 from probkv._checks import check_positive_int
 from probkv.eval.config import FULL, RunConfig, config_identity
+from probkv.eval.engines import check_engine_model, check_engine_run, vllm_rows
 from probkv.eval.job import JobSettings, check_prompts, load_prepared_model, run_unit
 from probkv.eval.outputs import check_output_folder
 from probkv.eval.plan import job_key, load_run_examples, plan_units
@@ -101,6 +102,7 @@ def run_eval(
     force: bool = False,
     reuse_prefill: bool = True,
     progress: bool = True,
+    tensor_parallel_size: int | None = None,
 ) -> RunReport:
     """Run (or resume) an evaluation into ``out_dir`` and write its summary (module docstring).
 
@@ -108,17 +110,27 @@ def run_eval(
     file (malformed files are refused with file, line and field), the methods, the folder's
     previous configuration. ``workers`` processes (1: this process) each load the model
     once and use ``threads`` torch threads. ``reuse_prefill=False`` gives every job its own
-    prefill (same rows, slower; :mod:`probkv.eval.plan`).
+    prefill (same rows, slower; :mod:`probkv.eval.plan`). ``config.engine == "vllm"`` runs
+    every job through one vLLM engine over ``tensor_parallel_size`` ranks
+    (:mod:`probkv.eval.engines`, which refuses what that engine cannot run, first).
     """
     check_positive_int(workers, "workers")
     check_positive_int(threads, "threads")
+    check_engine_run(
+        config,
+        workers=workers,
+        threads=threads,
+        reuse_prefill=reuse_prefill,
+        tensor_parallel_size=tensor_parallel_size,
+    )
     out = check_output_folder(out_dir, "--out")  # before any work (probkv.eval.outputs)
     examples = load_run_examples(config) if config.data is not None else None
     identity = config_identity(config)
     check_folder(out, identity, force=force)  # another run's folder: refused before loading
     resolve_model(config.model)  # unknown or not installed: refused here, not in a worker
+    check_engine_model(config, tensor_parallel_size=tensor_parallel_size)
     model = None
-    if workers == 1:
+    if workers == 1 and config.engine == "hf":
         model, tokenizer = load_prepared_model(config.model, threads, config.dtype)
         limit = max_positions(model.config)
     else:  # the workers load the model; this process needs its tokenizer and limit only
@@ -159,7 +171,11 @@ def run_eval(
                 file=sys.stderr,
                 dynamic_ncols=True,
             )
-            if workers == 1:
+            if config.engine == "vllm":
+                stream = vllm_rows(
+                    config, units, tokenizer, limit, tensor_parallel_size=tensor_parallel_size
+                )
+            elif workers == 1:
                 stream = (r for u in units for r in run_unit(model, tokenizer, u, settings))
             else:
                 stream = run_in_workers(units, settings, min(workers, len(units)), threads)

@@ -50,6 +50,7 @@ ROW_FIELDS = (
     "score",  # in [0, 1], the example's metric (S7)
     "effective_ratio",  # fraction of prefix entries evicted, mean over layers and heads (S3)
     "cache_bytes",  # bytes the cache holds right after eviction (before the question)
+    "freed_bytes",  # vLLM only: KV bytes its block pool got back from this request's eviction
     "prefill_s",  # prefill + eviction, seconds
     "decode_s",  # question forward + generation, seconds
     "shared_prefill",  # how many jobs shared this job's prefill (1: none)
@@ -62,6 +63,7 @@ ROW_FIELDS = (
     "seed",  # the run's seed (task generation)
     "model",
     "dtype",  # the model's dtype, "float32" or "bfloat16" (absent in rows of older probkv)
+    "engine",  # "hf" or "vllm" (absent in rows of older probkv: hf)
     "layers",  # per evicting layer: {"layer", "effective_ratio", "retained_attention_mass"}
 )
 _REQUIRED_ROW_KEYS = ("id", "task", "method", "ratio", "score")

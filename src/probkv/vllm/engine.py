@@ -1,0 +1,238 @@
+"""Batches of evaluation requests through one evicting vLLM engine (``probkv eval --engine vllm``).
+
+:class:`VllmRunner` starts ONE ``vllm.LLM`` for a whole run, with probkv's option
+(``engine_options("full", 0)``: no eviction unless a request asks) and a report file, and runs
+each batch of :class:`Request` (token ids, method, ratio, new tokens) through one
+``llm.generate`` call, every request with its own method and ratio
+(``SamplingParams(temperature=0, extra_args=request_options(method, ratio))``). What the
+scheduler freed per request comes back from the report file
+(``probkv.vllm.scheduler``) as :class:`Result`: KV bytes the block pool got back, the blocks
+the request still holds, the fraction of prompt positions evicted.
+
+vLLM evicts after the prefill of the whole prompt (question-aware only), and the first output
+token is sampled from that prefill, before eviction. Times come from vLLM's per-request
+timestamps (``RequestOutput.metrics``): ``prefill_s`` from being scheduled to the first token,
+``decode_s`` from the first token to the last; the requests of a batch run concurrently, so
+these are times under batching, not of one request alone.
+
+This module imports vLLM only when a :class:`VllmRunner` is made, so that the checks
+(:func:`check_methods`) run in any environment and before any engine starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from probkv.vllm.options import ARCHITECTURES, policy_for, request_options
+
+#: Positions per KV block of the engines probkv eval starts (the CPU backend needs a multiple
+#: of 32; the plugin's selections are in whole blocks).
+BLOCK_SIZE = 32
+#: Default KV memory when no cap is given: room for this many whole requests at once.
+DEFAULT_CONCURRENT = 8
+
+
+def check_methods(methods: Sequence[str], ratios: Sequence[float]) -> None:
+    """Refuse, by name and before any engine starts, a method the plugin cannot run at any of
+    ``ratios`` (per-head or per-layer scopes, reconstruction scores, kvzap, calibrated
+    weights, budgets the model-wide block selection cannot take): ValueError."""
+    for method in methods:
+        for ratio in ratios:
+            try:
+                policy_for(method, ratio, BLOCK_SIZE)
+            except ValueError as err:
+                raise ValueError(f"--engine vllm: {err}") from None
+
+
+def check_model(model_path: str, tensor_parallel_size: int = 1) -> None:
+    """Refuse, from the folder's ``config.json`` and before any engine starts, a model the
+    plugin cannot evict in (its architecture, sliding-window attention) or whose attention
+    and KV heads do not divide over ``tensor_parallel_size`` ranks: ValueError naming it."""
+    config = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
+    config = config.get("text_config", config)
+    archs = list(config.get("architectures") or [])
+    if not set(archs) & set(ARCHITECTURES):
+        raise ValueError(
+            f"--engine vllm: model architecture {archs} of {model_path}: probkv's vLLM plugin "
+            f"supports {list(ARCHITECTURES)}"
+        )
+    if config.get("sliding_window") and config.get("use_sliding_window", True):
+        raise ValueError(
+            f"--engine vllm: {model_path} uses sliding-window attention "
+            f"(sliding_window={config['sliding_window']}), which the plugin does not support"
+        )
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads", heads)
+    if heads % tensor_parallel_size:
+        raise ValueError(
+            f"--tensor-parallel-size {tensor_parallel_size}: the model's {heads} attention "
+            f"heads ({kv_heads} KV heads) do not divide over {tensor_parallel_size} ranks; "
+            f"choose a divisor of {heads}"
+        )
+
+
+@dataclass(frozen=True)
+class Request:
+    """One evaluation job: the prompt's token ids, its method and ratio, its new tokens."""
+
+    prompt_ids: tuple[int, ...]
+    method: str
+    ratio: float
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class Result:
+    """What one request generated and what its eviction freed (module docstring)."""
+
+    token_ids: tuple[int, ...]
+    prefill_s: float
+    decode_s: float
+    effective_ratio: float  # fraction of the prompt's positions evicted
+    cache_bytes: int  # bytes of the blocks the request holds after eviction (its prompt)
+    freed_bytes: int  # bytes the block pool got back (freed blocks x block size x per position)
+    freed_blocks: int
+    prompt_blocks: int
+
+
+class VllmRunner:
+    """One evicting vLLM engine for a whole evaluation (module docstring).
+
+    ``max_model_len``: the longest prompt plus its new tokens; ``kv_cache_bytes``: the KV
+    memory (default: :data:`DEFAULT_CONCURRENT` requests of ``max_model_len``); at most as
+    many requests run at once as fit whole in it (``max_num_seqs``), so no request is ever
+    preempted (the plugin refuses a preemption after eviction)."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        dtype: str = "float32",
+        tensor_parallel_size: int = 1,
+        max_model_len: int,
+        kv_cache_bytes: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        from probkv.vllm import engine_options
+        from vllm import LLM
+
+        fd, report = tempfile.mkstemp(prefix="probkv-vllm-", suffix=".jsonl")
+        os.close(fd)
+        self.report = Path(report)
+        blocks = -(-max_model_len // BLOCK_SIZE)
+        per_request = blocks * BLOCK_SIZE * _position_bytes_guess(model_path, dtype)
+        if kv_cache_bytes is None:
+            kv_cache_bytes = DEFAULT_CONCURRENT * per_request
+        concurrent = kv_cache_bytes // per_request
+        if concurrent < 1:
+            raise ValueError(
+                f"kv_cache_bytes={kv_cache_bytes} does not hold one request of "
+                f"{max_model_len} positions ({per_request} bytes)"
+            )
+        self.llm = LLM(
+            model=model_path,
+            dtype=dtype,
+            tensor_parallel_size=tensor_parallel_size,
+            enforce_eager=True,
+            max_model_len=max_model_len,
+            kv_cache_memory_bytes=int(kv_cache_bytes),
+            max_num_seqs=int(min(concurrent, 256)),
+            disable_log_stats=False,  # per-request timestamps (RequestOutput.metrics)
+            seed=seed,
+            **engine_options("full", 0.0, report=str(self.report), block_size=BLOCK_SIZE),
+        )
+        config = self.llm.llm_engine.model_config
+        self.position_bytes = _position_bytes(config)
+
+    def run(self, requests: Sequence[Request]) -> list[Result]:
+        """Generate every request in one ``llm.generate`` call (greedy); results in order."""
+        from vllm import SamplingParams
+
+        done = _read_report(self.report)
+        prompts = [{"prompt_token_ids": list(r.prompt_ids)} for r in requests]
+        params = [
+            SamplingParams(
+                temperature=0.0,
+                max_tokens=r.max_tokens,
+                extra_args=request_options(r.method, r.ratio),
+            )
+            for r in requests
+        ]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        evicted = {k: v for k, v in _read_report(self.report).items() if k not in done}
+        return [self._result(r, out, evicted) for r, out in zip(requests, outputs, strict=True)]
+
+    def _result(self, request: Request, output, evicted: dict[str, dict]) -> Result:
+        t = len(request.prompt_ids)
+        blocks = -(-t // BLOCK_SIZE)
+        row = _find(evicted, output.request_id)
+        if policy_for(request.method, request.ratio, BLOCK_SIZE) is not None and row is None:
+            raise RuntimeError(
+                f"probkv: request {output.request_id} ({request.method}, r={request.ratio}) "
+                "finished without an eviction report"
+            )
+        freed = row["freed_blocks"] if row else 0
+        kept = row["kept_positions"] if row else t
+        stats = output.metrics
+        prefill = decode = float("nan")
+        if stats is not None and stats.first_token_ts:
+            prefill = stats.first_token_ts - stats.scheduled_ts
+            decode = stats.last_token_ts - stats.first_token_ts
+        block_bytes = BLOCK_SIZE * self.position_bytes
+        return Result(
+            token_ids=tuple(output.outputs[0].token_ids),
+            prefill_s=prefill,
+            decode_s=decode,
+            effective_ratio=1.0 - kept / t,
+            cache_bytes=(blocks - freed) * block_bytes,
+            freed_bytes=freed * block_bytes,
+            freed_blocks=freed,
+            prompt_blocks=blocks,
+        )
+
+    def close(self) -> None:
+        """Stop the engine (its processes, with tensor parallelism) and remove the report."""
+        engine = getattr(self.llm, "llm_engine", None)
+        shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+        self.report.unlink(missing_ok=True)
+
+
+def _find(evicted: dict[str, dict], request_id: str) -> dict | None:
+    """The report row of ``request_id``: the engine core may add a suffix to the id."""
+    if request_id in evicted:
+        return evicted[request_id]
+    matches = [v for k, v in evicted.items() if k.startswith(request_id + "-")]
+    return matches[0] if len(matches) == 1 else None
+
+
+def _read_report(path: Path) -> dict[str, dict]:
+    if not path.exists():
+        return {}
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+    return {r["request_id"]: r for r in rows}
+
+
+def _position_bytes(model_config) -> int:
+    """KV bytes of one position in every layer and KV head (keys and values)."""
+    hf = model_config.hf_text_config
+    layers = hf.num_hidden_layers
+    heads, head_dim = model_config.get_total_num_kv_heads(), model_config.get_head_size()
+    return 2 * layers * heads * head_dim * model_config.dtype.itemsize
+
+
+def _position_bytes_guess(model_path: str, dtype: str) -> int:
+    """:func:`_position_bytes` from the folder's config.json, before the engine exists."""
+    config = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
+    config = config.get("text_config", config)
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    kv_heads = config.get("num_key_value_heads", heads)
+    itemsize = 2 if dtype in ("bfloat16", "float16") else 4
+    return 2 * config["num_hidden_layers"] * kv_heads * head_dim * itemsize
