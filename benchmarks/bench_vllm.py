@@ -70,10 +70,11 @@ def prompts(model: str, length: int, count: int, seed: int) -> list[list[int]]:
 
 def main() -> None:
     args = parse_args()
+    from vllm import LLM, SamplingParams
+
     from probkv.models import resolve_model
     from probkv.vllm import engine_options, request_options
     from probkv.vllm.engine import _position_bytes_guess
-    from vllm import LLM, SamplingParams
 
     count = args.requests or 3 * args.n
     ids = prompts(args.model, args.length, count, args.seed)

@@ -118,8 +118,9 @@ class VllmRunner:
         kv_cache_bytes: int | None = None,
         seed: int = 0,
     ) -> None:
-        from probkv.vllm import engine_options
         from vllm import LLM
+
+        from probkv.vllm import engine_options
 
         fd, report = tempfile.mkstemp(prefix="probkv-vllm-", suffix=".jsonl")
         os.close(fd)
