@@ -98,6 +98,14 @@ def _add_eval(subparsers: argparse._SubParsersAction) -> None:
         help="processes, each loading the model once (default 1)",
     )
     ev.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=1,
+        help="examples with the same jobs run together as one left-padded batch, each "
+        "evicted on its own (same results; reconstruction scores such as kvzip run one at a "
+        "time; default 1)",
+    )
+    ev.add_argument(
         "--force",
         action="store_true",
         help="if OUT holds a run with another configuration, move it to OUT/previous-N/ and "
@@ -214,6 +222,7 @@ def run_eval_command(args: argparse.Namespace) -> int:
             force=args.force,
             reuse_prefill=not args.no_prefill_reuse,
             progress=not args.no_progress,
+            batch_size=args.batch_size,
         )
     except KeyboardInterrupt:
         print(f"probkv eval: interrupted; {_saved(results)}", file=sys.stderr)
