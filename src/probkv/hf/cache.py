@@ -461,7 +461,10 @@ class ProbKVCache(Cache):
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         guards.check_layer_index(layer_idx, len(self.layers))  # another model's layers: refused
         if layer_idx == 0:  # a new forward starts at layer 0
-            if key_states.shape[0] > 1 and self.get_seq_length() == 0:
+            first = self.layers[self.evicting_layers[0]]
+            if first.is_initialized and key_states.shape[0] != first.batch_size:
+                raise ValueError(guards.batch_message(key_states, first.batch_size))
+            if key_states.shape[0] > 1 and not first.is_initialized:
                 guards.check_batch_supported(self.policy, self.decode_budget)
             self._start_forward(key_states.shape[-2], kwargs.get("kwargs"))
         if layer_idx == 0 and self.awaiting_reconstruction:
