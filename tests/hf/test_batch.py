@@ -207,3 +207,28 @@ def test_what_is_not_batched_is_refused_by_name():
             num_beams=2,
             max_new_tokens=2,
         )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["snapkv", "prob:snapkv", "prob:min-h/scope=global"])
+def test_smollm2_batch_equals_alone(smollm2, method):
+    """The real model: per sequence, the same greedy tokens and kept entries as alone."""
+    model, tokenizer = smollm2
+    prepare_model(model)
+    from probkv.eval.long_decode import prose_text
+
+    ids = tokenizer(prose_text(400, seed=1), return_tensors="pt").input_ids[0]
+    seqs = [ids[:160], ids[40:150], ids[80:210]]
+    policy = parse_method(method, ratio=0.5)
+    cache = compress(model, seqs, policy)
+    held = cache.nbytes()  # before answering: answer leaves a tail buffer allocated
+    question = [torch.tensor([13]), torch.tensor([13]), torch.tensor([13])]
+    out = answer(model, cache, question, max_new_tokens=8)
+    total = 0
+    for b, seq in enumerate(seqs):
+        alone = compress(model, seq, policy)
+        total += alone.nbytes()
+        assert_same_prefix(alone, cache, b)
+        expected = answer(model, alone, question[b], max_new_tokens=8).tolist()
+        assert out[b, : len(expected)].tolist() == expected
+    assert held == pytest.approx(total, rel=0.01)
