@@ -67,10 +67,10 @@ def pad_left(sequences, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _batch_ids(model, ids, attention_mask) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Token ids of one sequence (``[t]``, ``[1, t]``) or of a batch (a list of sequences,
+    """Token ids of one sequence (``[t]``, ``[1, t]``) or of a batch (a list of 1-D tensors,
     padded here, or ``[B, t]`` with its ``attention_mask``), checked and on the model's
     device, with the attention mask (``None``: nothing padded)."""
-    if isinstance(ids, (list, tuple)):
+    if isinstance(ids, (list, tuple)) and ids and all(isinstance(r, torch.Tensor) for r in ids):
         if attention_mask is not None:
             raise ValueError("attention_mask is for a [B, t] tensor; a list is padded here")
         ids, attention_mask = pad_left(ids)
