@@ -712,7 +712,7 @@ def test_beam_search_is_named_as_such(tiny_llama):
     for option in ({"num_beams": 2}, {"num_return_sequences": 2, "do_sample": True}):
         with pytest.raises(
             ValueError,
-            match=r"generate ran 2 copies of the prompt as a batch, which is beam search \(num_beams=2\) or num_return_sequences=2",
+            match=r"generate would run 2 copies of each prompt as a batch, which is beam search",
         ):
             tiny_llama.generate(
                 ids, cache=ProbKVCache(tiny_llama.config, policy), max_new_tokens=2, **option

@@ -186,9 +186,9 @@ def test_the_experiment_keeps_what_the_integration_keeps(arch, method, request, 
     applied: dict[int, object] = {}
     original = eviction_module.apply_selection
 
-    def recording(layer, selection, *args):
-        applied[layer.layer_idx] = selection
-        original(layer, selection, *args)
+    def recording(layer, selections, *args):
+        applied[layer.layer_idx] = selections[0]
+        original(layer, selections, *args)
 
     monkeypatch.setattr(eviction_module, "apply_selection", recording)
     compress(model, torch.tensor(CONTEXT), policy)

@@ -42,6 +42,7 @@ def test_hf_refuses_tensor_parallelism_and_takes_everything_else():
         ({"question_aware": False}, {}, r"question-aware evaluations only; add --question-aware"),
         ({}, {"workers": 2}, r"--workers 2: --engine vllm runs one engine"),
         ({}, {"threads": 2}, r"--threads 2: vLLM binds its own CPU threads"),
+        ({}, {"batch_size": 4}, r"--batch-size 4: --engine vllm batches every request"),
         ({}, {"reuse_prefill": False}, r"--no-prefill-reuse applies to the hf engine"),
         ({}, {"tensor_parallel_size": 0}, r"--tensor-parallel-size must be an integer >= 1"),
         ({"methods": ("full", "kvzip")}, {}, r"method 'kvzip' cannot run in vLLM"),

@@ -59,9 +59,9 @@ def record_selections(monkeypatch) -> dict[int, object]:
     seen: dict[int, object] = {}
     original = eviction_module.apply_selection
 
-    def recording(layer, selection, *args):
-        seen[layer.layer_idx] = selection
-        original(layer, selection, *args)
+    def recording(layer, selections, *args):
+        seen[layer.layer_idx] = selections[0]
+        original(layer, selections, *args)
 
     monkeypatch.setattr(eviction_module, "apply_selection", recording)
     return seen
@@ -324,12 +324,17 @@ def test_unsupported_model_type_is_refused_by_name():
         prepare_model(model)
 
 
-def test_batch_of_two_is_refused(tiny):
+def test_another_batch_size_than_the_cache_holds_is_refused(tiny):
+    """A batch is evicted sequence by sequence (tests/hf/test_batch.py); a later forward of
+    another batch size (what beam search would make of it) is refused by name."""
     model = tiny
     ids = torch.cat([random_ids(model, 10, seed=13), random_ids(model, 10, seed=14)])
     cache = ProbKVCache(model.config, parse_method("snapkv", ratio=0.5))
-    with pytest.raises(ValueError, match="batch size 1"), torch.no_grad():
+    with torch.no_grad():
         model(input_ids=ids, cache=cache, use_cache=True)
+    assert cache.batch_size == 2
+    with pytest.raises(ValueError, match="holds a batch of 2 sequence"), torch.no_grad():
+        model(input_ids=ids[:1, :1], cache=cache, use_cache=True)
 
 
 def test_unprepared_model_is_refused(tiny):

@@ -98,6 +98,14 @@ def _add_eval(subparsers: argparse._SubParsersAction) -> None:
         help="processes, each loading the model once (default 1)",
     )
     ev.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=1,
+        help="examples with the same jobs run together as one left-padded batch, each "
+        "evicted on its own (same results; reconstruction scores such as kvzip run one at a "
+        "time; default 1)",
+    )
+    ev.add_argument(
         "--force",
         action="store_true",
         help="if OUT holds a run with another configuration, move it to OUT/previous-N/ and "
@@ -224,6 +232,7 @@ def run_eval_command(args: argparse.Namespace) -> int:
         reuse_prefill=not args.no_prefill_reuse,
         tensor_parallel_size=args.tensor_parallel_size,
         spelled=args.methods,
+        batch_size=args.batch_size,
     )
     print(f"[probkv] model dtype: {config.dtype} (--dtype {args.dtype})", file=sys.stderr)
     start = time.perf_counter()
@@ -238,6 +247,7 @@ def run_eval_command(args: argparse.Namespace) -> int:
             reuse_prefill=not args.no_prefill_reuse,
             progress=not args.no_progress,
             tensor_parallel_size=args.tensor_parallel_size,
+            batch_size=args.batch_size,
         )
     except KeyboardInterrupt:
         print(f"probkv eval: interrupted; {_saved(results)}", file=sys.stderr)

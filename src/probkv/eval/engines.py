@@ -34,6 +34,7 @@ def check_engine_run(
     reuse_prefill: bool = True,
     tensor_parallel_size: int | None = None,
     spelled: Sequence[str] = (),
+    batch_size: int = 1,
 ) -> None:
     """Refuse (ValueError naming the option) a run its engine cannot do: tensor parallelism
     with ``hf``; with ``vllm``, question-agnostic eviction, worker processes, torch threads,
@@ -64,6 +65,11 @@ def check_engine_run(
         raise ValueError(
             f"--workers {workers}: --engine vllm runs one engine that batches the requests; "
             "omit --workers (use --tensor-parallel-size to split the model)"
+        )
+    if batch_size != 1:
+        raise ValueError(
+            f"--batch-size {batch_size}: --engine vllm batches every request of a method and "
+            "ratio itself; omit --batch-size"
         )
     if threads != 1:
         raise ValueError(

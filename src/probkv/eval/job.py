@@ -121,12 +121,12 @@ def check_prompts(
             )
 
 
-def _pad_id(tokenizer: Any) -> int | None:
+def pad_id(tokenizer: Any) -> int | None:
     pad = getattr(tokenizer, "pad_token_id", None)
     return pad if pad is not None else getattr(tokenizer, "eos_token_id", None)
 
 
-def _cache_layer_bytes(cache) -> int:
+def cache_layer_bytes(cache) -> int:
     """Bytes of the key and value tensors of a transformers ``DynamicCache``."""
     total = 0
     for layer in cache.layers:
@@ -136,9 +136,10 @@ def _cache_layer_bytes(cache) -> int:
     return total
 
 
-def _layer_rows(cache) -> list[dict[str, Any]]:
+def layer_rows(cache, sequence: int | None = None) -> list[dict[str, Any]]:
     """Per evicted layer: its effective ratio (S3) and the last query's attention mass on the
-    kept entries, mean over KV heads (S6 diagnostic), from ``cache.reports()``."""
+    kept entries, mean over KV heads (S6 diagnostic), from ``cache.reports()`` (of one
+    ``sequence`` of a batch)."""
     return [
         {
             "layer": r.layer_idx,
@@ -146,7 +147,7 @@ def _layer_rows(cache) -> list[dict[str, Any]]:
             "retained_attention_mass": sum(r.retained_attention_mass)
             / max(len(r.retained_attention_mass), 1),
         }
-        for r in cache.reports()
+        for r in cache.reports(sequence)
     ]
 
 
@@ -201,22 +202,29 @@ def job_row(
     return {k: out[k] for k in ROW_FIELDS if k in out}
 
 
+def prompt_parts(model, tokenizer, ex: Example, settings: JobSettings):
+    """``(before, after, common)``: the ids prefilled before eviction and fed after it
+    (:func:`split_prompt`), and the row fields every job of ``ex`` shares."""
+    context_ids, question_ids, truncated = job_prompt_ids(
+        ex, tokenizer, max_positions(model.config), truncate_middle=settings.truncate_middle
+    )
+    before, after = split_prompt(context_ids, question_ids, settings.question_aware)
+    common = common_fields(
+        settings, context_ids, question_ids, truncated, compressed=len(before), engine="hf"
+    )
+    return before, after, common
+
+
 def run_unit(model, tokenizer, unit: Unit, settings: JobSettings) -> Iterator[dict[str, Any]]:
     """Run one unit's jobs; yield one results row per job as it finishes (see
     :data:`probkv.eval.store.ROW_FIELDS`).
 
     ``model`` must be prepared (``probkv.hf.prepare_model``)."""
     ex = unit.example
-    context_ids, question_ids, truncated = job_prompt_ids(
-        ex, tokenizer, max_positions(model.config), truncate_middle=settings.truncate_middle
-    )
-    before, after = split_prompt(context_ids, question_ids, settings.question_aware)
+    before, after, common = prompt_parts(model, tokenizer, ex, settings)
     before_t = torch.tensor([before], dtype=torch.long)
     after_t = torch.tensor([after], dtype=torch.long)
-    gen_kw = {"max_new_tokens": ex.max_new_tokens, "pad_token_id": _pad_id(tokenizer)}
-    common = common_fields(
-        settings, context_ids, question_ids, truncated, compressed=len(before), engine="hf"
-    )
+    gen_kw = {"max_new_tokens": ex.max_new_tokens, "pad_token_id": pad_id(tokenizer)}
 
     def row(method: str, ratio: float, new_ids, measured: dict[str, Any]) -> dict[str, Any]:
         return job_row(ex, tokenizer, method, ratio, new_ids, measured, common)
@@ -259,7 +267,7 @@ def _decode(model, cache, after_t, gen_kw, prefill_s: float, shared: int):
         "cache_bytes": cache.nbytes(),
         "prefill_s": prefill_s,
         "shared_prefill": shared,
-        "layers": _layer_rows(cache),
+        "layers": layer_rows(cache),
     }
     start = time.perf_counter()
     new_ids = answer(model, cache, after_t, **gen_kw)
@@ -277,7 +285,7 @@ def _run_full(model, before_t, after_t, gen_kw):
         prefill_s = time.perf_counter() - start
         measured = {
             "effective_ratio": 0.0,
-            "cache_bytes": _cache_layer_bytes(cache),
+            "cache_bytes": cache_layer_bytes(cache),
             "prefill_s": prefill_s,
             "shared_prefill": 1,
         }

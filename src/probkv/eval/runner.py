@@ -18,6 +18,8 @@ writes its summary. The parts, one module each:
   skips the jobs already there, keyed on ``(id, method, ratio)``, after removing a last line
   cut short by a crash), ``examples.jsonl`` (generated examples, checked on resume).
 - :mod:`probkv.eval.workers`: ``workers > 1`` processes, each loading the model once.
+- :mod:`probkv.eval.batching`: ``batch_size > 1``: units of different examples with the same
+  jobs run as one left-padded batch (the same rows as one at a time).
 - :mod:`probkv.eval.summary`: ``summary.json`` and ``summary.md`` (average total score, win
   score of the eviction methods, ``full`` as the reference; target vs effective ratio).
 
@@ -37,9 +39,17 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from probkv._checks import check_positive_int
+from probkv.eval.batching import plan_batches, run_batch
 from probkv.eval.config import FULL, RunConfig, config_identity
 from probkv.eval.engines import check_engine_model, check_engine_run, vllm_rows
-from probkv.eval.job import JobSettings, check_prompts, load_prepared_model, run_unit
+from probkv.eval.job import (
+    JobSettings,
+    check_prompts,
+    job_prompt_ids,
+    load_prepared_model,
+    run_unit,
+    split_prompt,
+)
 from probkv.eval.outputs import check_output_folder
 from probkv.eval.plan import job_key, load_run_examples, plan_units
 from probkv.eval.store import (
@@ -55,7 +65,13 @@ from probkv.eval.store import (
 )
 from probkv.eval.summary import format_bytes, summarize, summary_markdown, write_summary
 from probkv.eval.workers import run_in_workers
-from probkv.models import load_tokenizer, max_positions, model_max_positions, resolve_model
+from probkv.models import (
+    load_model_config,
+    load_tokenizer,
+    max_positions,
+    model_max_positions,
+    resolve_model,
+)
 
 __all__ = [
     "FULL",
@@ -103,6 +119,7 @@ def run_eval(
     reuse_prefill: bool = True,
     progress: bool = True,
     tensor_parallel_size: int | None = None,
+    batch_size: int = 1,
 ) -> RunReport:
     """Run (or resume) an evaluation into ``out_dir`` and write its summary (module docstring).
 
@@ -110,11 +127,14 @@ def run_eval(
     file (malformed files are refused with file, line and field), the methods, the folder's
     previous configuration. ``workers`` processes (1: this process) each load the model
     once and use ``threads`` torch threads. ``reuse_prefill=False`` gives every job its own
-    prefill (same rows, slower; :mod:`probkv.eval.plan`). ``config.engine == "vllm"`` runs
-    every job through one vLLM engine over ``tensor_parallel_size`` ranks
-    (:mod:`probkv.eval.engines`, which refuses what that engine cannot run, first).
+    prefill (same rows, slower; :mod:`probkv.eval.plan`). ``batch_size > 1`` runs units of
+    several examples with the same jobs together (same rows; :mod:`probkv.eval.batching`).
+    ``config.engine == "vllm"`` runs every job through one vLLM engine over
+    ``tensor_parallel_size`` ranks (:mod:`probkv.eval.engines`, which refuses what that engine
+    cannot run, first; it batches requests itself, so ``batch_size`` is the HF engine's).
     """
     check_positive_int(workers, "workers")
+    check_positive_int(batch_size, "batch_size")
     check_positive_int(threads, "threads")
     check_engine_run(
         config,
@@ -122,6 +142,7 @@ def run_eval(
         threads=threads,
         reuse_prefill=reuse_prefill,
         tensor_parallel_size=tensor_parallel_size,
+        batch_size=batch_size,
     )
     out = check_output_folder(out_dir, "--out")  # before any work (probkv.eval.outputs)
     examples = load_run_examples(config) if config.data is not None else None
@@ -171,14 +192,23 @@ def run_eval(
                 file=sys.stderr,
                 dynamic_ncols=True,
             )
+            batches = [[u] for u in units]
+            if batch_size > 1 and config.engine == "hf":
+                model_config = (
+                    model.config if model is not None else load_model_config(config.model)
+                )
+                length = _question_length(config, tokenizer, limit, model_config)
+                batches = plan_batches(units, batch_size, length)
             if config.engine == "vllm":
                 stream = vllm_rows(
                     config, units, tokenizer, limit, tensor_parallel_size=tensor_parallel_size
                 )
-            elif workers == 1:
+            elif workers == 1 and batch_size == 1:
                 stream = (r for u in units for r in run_unit(model, tokenizer, u, settings))
+            elif workers == 1:
+                stream = (r for b in batches for r in run_batch(model, tokenizer, b, settings))
             else:
-                stream = run_in_workers(units, settings, min(workers, len(units)), threads)
+                stream = run_in_workers(batches, settings, min(workers, len(batches)), threads)
             with bar, results.open("a", encoding="utf-8") as f:
                 for row in stream:
                     append_row(f, row)
@@ -191,3 +221,19 @@ def run_eval(
             out, rows, config=config, jobs_total=len(planned), row_labels=labels
         )
     return RunReport(out, len(planned), skipped, run, summary)
+
+
+def _question_length(config: RunConfig, tokenizer, limit: int, model_config):
+    """``plan_batches``' key for a model with sliding-window layers (a batch's questions must
+    have one length there: ``probkv.eval.batching``), else ``None``."""
+    layer_types = getattr(model_config.get_text_config(decoder=True), "layer_types", None)
+    if "sliding_attention" not in (layer_types or ()):
+        return None
+
+    def length(unit) -> int:
+        context, question, _ = job_prompt_ids(
+            unit.example, tokenizer, limit, truncate_middle=config.truncate_middle
+        )
+        return len(split_prompt(context, question, config.question_aware)[1])
+
+    return length

@@ -19,13 +19,15 @@ import traceback
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from probkv.eval.job import JobSettings, load_prepared_model, run_unit
+from probkv.eval.batching import run_batch
+from probkv.eval.job import JobSettings, load_prepared_model
 from probkv.eval.plan import Unit
 
 
 def _worker_main(settings: JobSettings, threads: int, tasks, results) -> None:
-    """A worker process: load the model once, run units until the ``None`` sentinel, send
-    ``("row", row)`` per finished job and ``("done", n)`` per unit; ``("error", text)`` on
+    """A worker process: load the model once, run batches of units (``probkv.eval.batching``;
+    usually one unit each) until the ``None`` sentinel, send ``("row", row)`` per finished
+    job and ``("done", n)`` per batch; ``("error", text)`` on
     failure. Ctrl-C reaches every process of the terminal's group: a worker ignores it, and
     the parent, which reports it once, stops the workers."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -34,10 +36,10 @@ def _worker_main(settings: JobSettings, threads: int, tasks, results) -> None:
     signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         model, tokenizer = load_prepared_model(settings.model, threads, settings.dtype)
-        while (unit := tasks.get()) is not None:
-            for row in run_unit(model, tokenizer, unit, settings):
+        while (batch := tasks.get()) is not None:
+            for row in run_batch(model, tokenizer, batch, settings):
                 results.put(("row", row))
-            results.put(("done", len(unit.jobs)))
+            results.put(("done", sum(len(unit.jobs) for unit in batch)))
     except SystemExit:  # stopped by the parent, which no longer reads: do not wait on it
         results.cancel_join_thread()
         raise
@@ -66,15 +68,15 @@ def _exit_on_signal(signum, frame) -> None:
 
 
 def run_in_workers(
-    units: Sequence[Unit], settings: JobSettings, workers: int, threads: int
+    batches: Sequence[Sequence[Unit]], settings: JobSettings, workers: int, threads: int
 ) -> Iterator[dict[str, Any]]:
-    """Run units in ``workers`` spawned processes (each loads the model once, with
-    ``threads`` torch threads); yield rows as they finish. A failure in a worker stops the
-    others and raises."""
+    """Run batches of units (``probkv.eval.batching.plan_batches``) in ``workers`` spawned
+    processes (each loads the model once, with ``threads`` torch threads); yield rows as they
+    finish. A failure in a worker stops the others and raises."""
     ctx = multiprocessing.get_context("spawn")
     tasks, results = ctx.Queue(), ctx.Queue()
-    for unit in units:
-        tasks.put(unit)
+    for batch in batches:
+        tasks.put(list(batch))
     procs = [
         ctx.Process(target=_worker_main, args=(settings, threads, tasks, results), daemon=True)
         for _ in range(workers)
@@ -84,7 +86,7 @@ def run_in_workers(
     with _sigint_ignored():  # inherited through exec: ignored from the worker's first line
         for p in procs:
             p.start()
-    expected = sum(len(u.jobs) for u in units)
+    expected = sum(len(u.jobs) for batch in batches for u in batch)
     received = 0
     try:
         while received < expected:

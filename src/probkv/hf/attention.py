@@ -67,9 +67,15 @@ def probkv_attention_forward(
     else:
         if kwargs.get("softcap") is not None:
             raise ValueError("probkv does not support attention logit soft-capping (softcap)")
-        layer_out = layer_attention(probkv_layer, query[0], key[0], value[0], scale)
-        out, weights = layer_out.unsqueeze(0).transpose(1, 2).contiguous(), None
+        if query.shape[0] == 1:
+            layer_out = layer_attention(probkv_layer, query[0], key[0], value[0], scale)
+            layer_out = layer_out.unsqueeze(0)
+        else:  # a batch (S11 batches): each sequence evicted on its own
+            layer_out = batch_attention(probkv_layer, query, key, value, scale, attention_mask)
+        out, weights = layer_out.transpose(1, 2).contiguous(), None
     if probkv_capture is not None:
+        if query.shape[0] != 1:
+            raise ValueError("probkv.hf.capture records one sequence: run a batch of one")
         probkv_capture.record(
             module.layer_idx, query[0], key[0], value[0], out[0].transpose(0, 1), scale
         )
@@ -102,8 +108,68 @@ def layer_attention(
         layer.awaits_reconstruction(last_query_attention(query, key, scale))
         return dense_causal_attention(query, key, value, scale)
     if layer.state is LayerState.PREFILL:  # a prompt chunk, or the whole prompt
-        return observe_prompt_chunk(layer, query, key, value, scale)
+        return observe_prompt_chunk(layer, query[None], key[None], value[None], scale)[0]
     return dense_causal_attention(query, key, value, scale)
+
+
+def batch_attention(
+    layer: EvictingLayer,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """``layer_attention`` for a batch: query ``[B, Hq, q, d]``, the dense tail ``key``/
+    ``value [B, Hkv, n, d]``, the forward's 4D ``mask`` (left padding; ``None``: none) ->
+    ``[B, Hq, q, d_v]``. A prompt forward observes each sequence on its unpadded rows
+    (``probkv.hf.prefill``); after eviction every (sequence, KV head) segment of the layer
+    attends in one call (``batched_evicted_attention``). Decode budgets and reconstruction
+    scores are refused for batches before any forward (``guards.check_batch_supported``)."""
+    layer.attention_done()
+    if layer.state is LayerState.EVICTED:
+        return batched_evicted_attention(layer, query, scale, mask)
+    if layer.state is LayerState.PREFILL:
+        return observe_prompt_chunk(layer, query, key, value, scale, mask)
+    if layer.state is not LayerState.OBSERVED:
+        raise ValueError(f"layer {layer.layer_idx}: a batch cannot attend in state {layer.state}")
+    outs = []  # prefill seen, eviction pending: each sequence's dense attention, unpadded
+    q_len, t = query.shape[2], key.shape[2]
+    for b, pad in enumerate(layer.pads):
+        start = max(0, pad - (t - q_len))
+        out = dense_causal_attention(query[b, :, start:], key[b, :, pad:], value[b, :, pad:], scale)
+        outs.append(torch.cat([out.new_zeros(out.shape[0], start, out.shape[2]), out], dim=1))
+    return torch.stack(outs)
+
+
+def batched_evicted_attention(
+    layer, query: torch.Tensor, scale: float, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """Decode attention of a batch after eviction (S4, S11 batches): query ``[B, Hq, q, d]``
+    -> ``[B, Hq, q, d_v]``. The prefix holds ``B * Hkv`` segments (sequence after sequence),
+    the tail ``[B, Hkv, T, d]``: the segments are the heads of ``evicted_attention``'s
+    layout, one batched softmax per segment over its prefix (``+ log w``) and its tail. Tail
+    slots that are padding (a later input padded on the left: ``mask``'s last ``T``
+    columns, aligned by ``EvictingLayer.get_mask_sizes``) get no attention; each query row
+    always sees itself, so a padding row stays finite."""
+    batch, hq, q_len, d = query.shape
+    h = layer.num_heads
+    segments = batch * h
+    tail_k = layer.tail_keys.reshape(segments, -1, d)
+    tail_v = layer.tail_values.reshape(segments, -1, layer.tail_values.shape[-1])
+    n_tail = tail_k.shape[1]
+    visible = causal_offset_mask(q_len, n_tail, query.device).expand(batch, q_len, n_tail)
+    if mask is not None:
+        seen = mask[:, 0, -q_len:, -n_tail:]
+        seen = seen if seen.dtype == torch.bool else seen == 0
+        own = torch.arange(q_len, device=query.device) + (n_tail - q_len)
+        visible = visible & seen
+        visible[:, torch.arange(q_len, device=query.device), own] = True
+    visible = visible.unsqueeze(1).expand(batch, hq, q_len, n_tail)
+    visible = visible.reshape(segments, (hq // h) * q_len, n_tail)
+    qg = query.reshape(segments, (hq // h) * q_len, d)
+    out, _ = _segment_attention(layer.prefix, qg, tail_k, tail_v, visible, scale, False)
+    return out.reshape(batch, hq, q_len, -1)
 
 
 def evicted_attention(layer, query: torch.Tensor, scale: float) -> torch.Tensor:
@@ -129,18 +195,27 @@ def evicted_attention_with_probabilities(
 
 def _evicted_attention(layer, query: torch.Tensor, scale: float, keep_probs: bool):
     """``(out, probs [Hkv, g q, n] or None)``: both forms of ``evicted_attention``."""
-    prefix = layer.prefix
     h = layer.num_heads
     hq, q_len, d = query.shape
     g = hq // h
     tail_k = layer.tail_keys[0]  # [H, T, d]
     tail_v = layer.tail_values[0]
-    n_tail = tail_k.shape[1]
     qg = query.reshape(h, g * q_len, d)  # rows of KV head h: its g query heads x q positions
-    tail_logits = torch.matmul(qg, tail_k.transpose(1, 2)).float().mul_(scale)  # [H, g*q, T]
+    visible = None
     if q_len > 1:
-        causal = causal_offset_mask(q_len, n_tail, query.device).repeat(g, 1)  # [g*q, T]
-        tail_logits.masked_fill_(~causal, float("-inf"))
+        visible = causal_offset_mask(q_len, tail_k.shape[1], query.device).repeat(g, 1)
+    out, probs = _segment_attention(layer.prefix, qg, tail_k, tail_v, visible, scale, keep_probs)
+    return out.reshape(hq, q_len, -1), probs
+
+
+def _segment_attention(prefix, qg, tail_k, tail_v, visible, scale: float, keep_probs: bool):
+    """One softmax per head (or (sequence, head) segment) over its prefix and its tail:
+    ``qg [H, R, d]``, ``tail_k``/``tail_v [H, T, d]``, ``visible`` (``[R, T]`` or ``[H, R,
+    T]`` bool, ``None``: all) the tail entries each row sees -> ``([H, R, d_v], probs)``."""
+    h, _, d = qg.shape
+    tail_logits = torch.matmul(qg, tail_k.transpose(1, 2)).float().mul_(scale)  # [H, R, T]
+    if visible is not None:
+        tail_logits.masked_fill_(~visible, float("-inf"))
     if prefix.uniform_length:
         length = prefix.lengths[0]
         # Explicit sizes: a prefix may be empty in every head (S4: an empty kept set is a
@@ -152,10 +227,10 @@ def _evicted_attention(layer, query: torch.Tensor, scale: float, keep_probs: boo
             logits += prefix.log_weights.view(h, 1, length)
         out, probs = _merge_with_probabilities(logits, tail_logits, pv, tail_v)
     else:
-        batched = query.device.type != "cpu" or RAGGED_BATCHED_ON_CPU
+        batched = qg.device.type != "cpu" or RAGGED_BATCHED_ON_CPU
         merge = _ragged_batched if batched else _ragged_per_head
         out, probs = merge(prefix, qg, tail_logits, tail_v, scale, keep_probs)
-    return out.reshape(hq, q_len, -1), probs
+    return out, probs
 
 
 # Scratch size of the ragged decode: the ``[H, rows, N]`` block-diagonal logits of one row block.
@@ -274,11 +349,17 @@ def _merge_with_probabilities(prefix_logits, tail_logits, prefix_values, tail_va
 
 
 def probkv_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs):
-    """Mask function for the ``"probkv"`` implementation: transformers' SDPA masks (used by
-    non-evicting layers), after refusing padded inputs, which eviction does not support."""
-    if attention_mask is not None and attention_mask.ndim == 2 and not bool(attention_mask.all()):
+    """Mask function for the ``"probkv"`` implementation: transformers' SDPA masks (for
+    non-evicting layers, and the padding of a batch's sequences, ``batch_attention``), after
+    refusing a padded input of one sequence (a prompt alone is never padded)."""
+    if (
+        attention_mask is not None
+        and attention_mask.ndim == 2
+        and attention_mask.shape[0] == 1
+        and not bool(attention_mask.all())
+    ):
         raise ValueError(
-            "probkv does not support padded inputs (the attention_mask has zeros); "
-            "run prompts one at a time without padding"
+            "probkv does not support padded inputs of one sequence (the attention_mask has "
+            "zeros); run the prompt without padding, or pad a batch of several on the left"
         )
     return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)

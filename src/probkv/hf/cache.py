@@ -1,12 +1,14 @@
 """An evicting KV cache on transformers' cache-layer protocol (S3, S4, S6).
 
 ``EvictingLayer`` is one global-attention layer's cache. Before eviction it is a dense,
-growing ``[1, Hkv, T, d]`` buffer, like transformers' ``DynamicLayer``. Eviction turns what it
-holds into a *ragged, weighted prefix*: the kept entries of every KV head, flattened head after
-head into one ``[N, d]`` key tensor and one ``[N, d_v]`` value tensor (Ada-KV's layout, no
-padding to the longest head), and one float32 log-weight per kept entry (S4). Kept prefix
-entries are visible to every later query, so their positions need not be stored. Tokens that arrive after eviction go to a dense *tail*; decode attention is
-one softmax over prefix (logits ``+ log w``) and tail (no weight), see ``probkv.hf.attention``.
+growing ``[B, Hkv, T, d]`` buffer, like transformers' ``DynamicLayer`` (``B`` sequences of a
+left-padded batch, S11 batches; usually one). Eviction turns what it holds into a *ragged,
+weighted prefix*: the kept entries of every (sequence,) KV head, flattened head after head into
+one ``[N, d]`` key and one ``[N, d_v]`` value tensor (Ada-KV's layout, no padding to the
+longest head, padding tokens never kept), and one float32 log-weight per kept entry (S4).
+Kept entries are visible to every later query, so their positions need not be stored. Tokens
+that arrive after eviction go to a dense *tail*; decode attention is one softmax over prefix
+(logits ``+ log w``) and tail (no weight), see ``probkv.hf.attention``.
 
 Logical length (positions, RoPE: ``get_seq_length``) and physical length (what is stored, what
 masks must be sized by: ``get_mask_sizes``) are kept apart (S6 pitfall).
@@ -14,9 +16,9 @@ masks must be sized by: ``get_mask_sizes``) are kept apart (S6 pitfall).
 An ``EvictingLayer`` moves through explicit states (``LayerState``): ``PREFILL`` (the prompt
 is being read, in one or several forwards: ``probkv.hf.prefill``) -> ``OBSERVED`` (the
 policy's observation is held; eviction waits for the end of the prompt or for the other
-layers: global scope, ``probkv.hf.observe``) -> ``EVICTED``. Scores read
-from a reconstruction pass (KVzip, S10.1; one prompt forward) go ``PREFILL`` ->
-``AWAITING_RECONSTRUCTION`` -> (``RECONSTRUCTING`` during each chunk of the pass) -> ``OBSERVED``.
+layers: global scope, ``probkv.hf.observe``) -> ``EVICTED``. Scores read from a
+reconstruction pass (KVzip, S10.1) go ``PREFILL`` -> ``AWAITING_RECONSTRUCTION`` ->
+(``RECONSTRUCTING`` during each chunk of the pass) -> ``OBSERVED``.
 
 ``ProbKVCache`` is the ``Cache``: one ``EvictingLayer`` per global-attention layer and
 transformers' own sliding-window layers elsewhere (Gemma-3's local layers are not evicted). It
@@ -39,13 +41,12 @@ from transformers.cache_utils import (
 )
 
 from probkv._checks import check_positive_int
-from probkv.estimation import compose_log_weights
 from probkv.estimation.selection import RaggedSelection
-from probkv.hf import channel, guards
+from probkv.hf import accounting, channel, guards
 from probkv.hf.decode_budget import DecodeBudget, LayerDecodeState
 from probkv.hf.eviction import evict_layers
 from probkv.hf.prefill import ObserveOnly, PromptReading
-from probkv.hf.prefix import DenseTail, RaggedPrefix
+from probkv.hf.prefix import DenseTail, RaggedPrefix, kept_prefix
 from probkv.hf.report import LayerReport
 from probkv.hf.scorer import with_scorer
 from probkv.policies.base import EvictionPolicy, LayerObservation
@@ -99,7 +100,9 @@ class EvictingLayer(CacheLayerMixin):
         self.prompt = PromptReading(prompt_length)  # where the prompt ends (probkv.hf.prefill)
         self.tail = DenseTail()  # [1, Hkv, capacity, d]: the prompt, then tokens since eviction
         self.prefix: RaggedPrefix | None = None  # the ragged weighted prefix, once evicted
-        self.report: LayerReport | None = None  # set by every eviction
+        # set by every eviction: one report per sequence of the batch
+        self.sequence_reports: list[LayerReport] = []
+        self.batch_size = 1  # sequences (set by the first update)
         self.scoring = None  # S10.1: the pass's per-layer scoring (RECONSTRUCTING)
         self._awaiting_attention = False  # update() ran, probkv's attention not yet
         # S10.5 (probkv.hf.decode_budget): the budget and its statistics
@@ -126,11 +129,36 @@ class EvictingLayer(CacheLayerMixin):
     def last_query_attention(self) -> torch.Tensor | None:
         return self.prompt.last_query_attention
 
+    @property
+    def report(self) -> LayerReport | None:
+        """The latest eviction's report of a single sequence (``sequence_reports``: each
+        sequence's in a batch)."""
+        self._check_single("report", "sequence_reports")
+        return self.sequence_reports[0] if self.sequence_reports else None
+
+    @property
+    def pads(self) -> list[int]:
+        """Each sequence's left padding in the prompt (``probkv.hf.prefill.prompt_pads``)."""
+        return self.prompt.pads if self.prompt.pads is not None else [0] * self.batch_size
+
+    @property
+    def num_segments(self) -> int:
+        """(sequence, KV head) pairs: the heads of the ragged layout, sequence after sequence."""
+        return self.batch_size * self.num_heads
+
+    def _check_single(self, name: str, instead: str) -> None:
+        if self.batch_size != 1:
+            raise ValueError(
+                f"layer {self.layer_idx} holds a batch of {self.batch_size} sequences: "
+                f"{name} describes one sequence; read {instead} (one per sequence)"
+            )
+
     # ----------------------------------------------------------------- protocol
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
         self.dtype = key_states.dtype
         self.num_heads = key_states.shape[1]
+        self.batch_size = key_states.shape[0]
         self.is_initialized = True
 
     def update(
@@ -141,8 +169,8 @@ class EvictingLayer(CacheLayerMixin):
         kwargs: dict | None = None,
         **other,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if key_states.shape[0] != 1:
-            raise ValueError(guards.batch_message(key_states))
+        if self.is_initialized and key_states.shape[0] != self.batch_size:
+            raise ValueError(guards.batch_message(key_states, self.batch_size))
         if self._awaiting_attention:
             raise RuntimeError(
                 f"layer {self.layer_idx}: the previous forward did not run probkv's attention function; "
@@ -176,21 +204,18 @@ class EvictingLayer(CacheLayerMixin):
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """Physical sizes: what the attention actually sees after this update (S6 pitfall).
-        probkv's attention function builds the masks of evicting layers itself from these."""
-        return self.physical_length() + query_length, 0
+        probkv's attention function builds the masks of evicting layers itself from these.
+        In a batch, the offset aligns the mask's last columns with the dense tail, whose
+        padding (a later input padded on the left) the evicted attention reads from it."""
+        offset = self.get_seq_length() - self.physical_length() if self.batch_size > 1 else 0
+        return self.physical_length() + query_length, offset
 
     def get_max_length(self) -> int:
         return -1
 
     def reset(self) -> None:
-        self.__init__(
-            self.layer_idx,
-            self.policy,
-            self.rank,
-            self.num_evicting,
-            self.prompt.length,
-            self.decode_budget,
-        )
+        args = (self.policy, self.rank, self.num_evicting, self.prompt.length)
+        self.__init__(self.layer_idx, *args, self.decode_budget)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last ``-tokens_to_remove`` tokens of the tail (never the evicted prefix)."""
@@ -207,18 +232,20 @@ class EvictingLayer(CacheLayerMixin):
         self.tail.truncate(length)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise ValueError("probkv caches hold batch size 1 and do not support beam search")
+        raise ValueError("probkv caches do not support beam search (num_beams > 1)")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if repeats != 1:
             raise ValueError(
-                f"probkv caches hold batch size 1; num_return_sequences/num_beams > 1 (got {repeats}) "
-                "is not supported"
+                "probkv caches do not copy their sequences: num_return_sequences/num_beams > 1 "
+                f"(got {repeats}) is not supported"
             )
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if indices.numel() != 1:
-            raise ValueError("probkv caches hold batch size 1")
+        if not torch.equal(indices.cpu(), torch.arange(self.batch_size)):
+            raise ValueError(
+                "probkv caches do not select sequences of their batch (contrastive search)"
+            )
 
     # ------------------------------------------------------------------ storage
     @property
@@ -230,7 +257,8 @@ class EvictingLayer(CacheLayerMixin):
         return self.tail.values
 
     def physical_length(self, head: int | None = None) -> int:
-        """Entries stored for one KV head (or the longest head)."""
+        """Entries stored for one KV head (a (sequence, KV head) segment in a batch: index
+        ``b * Hkv + h``), or the longest."""
         if self.prefix is None:
             return self.tail.length
         lengths = self.prefix.lengths if head is None else [self.prefix.lengths[head]]
@@ -256,23 +284,41 @@ class EvictingLayer(CacheLayerMixin):
 
     @property
     def observation(self) -> LayerObservation | None:
-        """Held in state ``OBSERVED``; a provisional one (the prompt's end unknown) is computed
-        from the chunk statistics when first read."""
-        prompt = self.prompt
-        if prompt.observation is None and self.state is LayerState.OBSERVED and prompt.chunks:
-            prompt.observation = prompt.chunks.observe(
-                self.tail_keys[0], self.tail_values[0], layer_idx=self.layer_idx, rank=self.rank
-            )
-        return prompt.observation
+        """A single sequence's observation (``observations``: each sequence's in a batch)."""
+        self._check_single("observation", "observations")
+        observations = self.observations
+        return None if observations is None else observations[0]
 
-    def observed(self, observation: LayerObservation | None, *, final: bool = True) -> None:
+    @property
+    def observations(self) -> list[LayerObservation] | None:
+        """Per sequence, held in state ``OBSERVED``; provisional ones (the prompt's end
+        unknown) are computed from the chunk statistics when first read."""
+        prompt = self.prompt
+        if prompt.observations is None and self.state is LayerState.OBSERVED and prompt.chunks:
+            prompt.observations = [
+                chunks.observe(
+                    self.tail_keys[b, :, pad:],
+                    self.tail_values[b, :, pad:],
+                    layer_idx=self.layer_idx,
+                    rank=self.rank,
+                )
+                for b, (chunks, pad) in enumerate(zip(prompt.chunks, self.pads))
+            ]
+        return prompt.observations
+
+    def unpadded(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequence ``b``'s prompt keys and values ``[Hkv, t_b, d]`` before eviction."""
+        pad = self.pads[b]
+        return self.tail_keys[b, :, pad:], self.tail_values[b, :, pad:]
+
+    def observed(self, observations: list[LayerObservation] | None, *, final: bool = True) -> None:
         """``PREFILL`` -> ``OBSERVED``. ``final`` (the whole prompt): a layerwise policy evicts
         now (the full cache never exists at once); else :meth:`end_prefill` ends it later."""
         if self.state not in (LayerState.PREFILL, LayerState.AWAITING_RECONSTRUCTION):
             raise RuntimeError(
                 f"layer {self.layer_idx} was observed twice (state {self.state.name})"
             )
-        self.prompt.observation = observation
+        self.prompt.observations = observations
         self.prompt.last_query_attention = None
         self.state = LayerState.OBSERVED
         if final:
@@ -280,22 +326,23 @@ class EvictingLayer(CacheLayerMixin):
 
     def continue_prefill(self) -> None:
         """Another prompt chunk after a provisional observation: ``OBSERVED`` -> ``PREFILL``."""
-        self.prompt.chunks.check_next_chunk()
-        self.prompt.observation = None
+        for chunks in self.prompt.chunks:
+            chunks.check_next_chunk()
+        self.prompt.observations = None
         self.state = LayerState.PREFILL
 
     def end_prefill(self) -> None:
         """The observation covers the whole prompt (computed now if provisional): drop the
         chunk statistics; a layerwise policy evicts now."""
-        self.prompt.observation = self.observation
+        self.prompt.observations = self.observations
         self.prompt.chunks = None
         self.prompt.complete = True
         if self.policy.layerwise:
             evict_layers(self.policy, [self], num_layers=self.num_evicting)
 
-    def record_report(self, report: LayerReport) -> None:
-        """What the latest eviction left (``probkv.hf.eviction.apply_selection``)."""
-        self.report = report
+    def record_report(self, reports: list[LayerReport]) -> None:
+        """What the latest eviction left, per sequence (``probkv.hf.eviction.apply_selection``)."""
+        self.sequence_reports = list(reports)
 
     def awaits_reconstruction(self, last_query_attention: torch.Tensor) -> None:
         """The prefill of a reconstruction score (S10.1): keep ``p_t`` for the report and wait
@@ -323,61 +370,20 @@ class EvictingLayer(CacheLayerMixin):
         Indices of head ``h`` refer to its current entries in order: its prefix entries (if
         this layer was evicted before), then every tail entry. Tail entries carry no weight;
         prefix entries keep theirs and the new ones add (a second eviction multiplies weights).
+        In a batch, the selection's heads are the (sequence, KV head) segments, sequence after
+        sequence, and a sequence's prompt entries exclude its padding.
         """
         if not self.is_initialized:
             raise ValueError(f"layer {self.layer_idx} holds nothing to evict")
-        if selection.num_heads != self.num_heads:
+        if selection.num_heads != self.num_segments:
             raise ValueError(
-                f"selection has {selection.num_heads} heads, layer {self.layer_idx} has {self.num_heads}"
+                f"selection has {selection.num_heads} heads, layer {self.layer_idx} has "
+                f"{self.num_segments} ({self.batch_size} sequences of {self.num_heads} KV heads)"
             )
-        keys, values, logw = [], [], []
-        for h in range(self.num_heads):
-            idx, new_lw = selection.head(h)
-            k_h, v_h, lw_h = self._current_entries(h)
-            if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= k_h.shape[0]):
-                raise ValueError(
-                    f"selection for head {h} of layer {self.layer_idx} has indices outside "
-                    f"[0, {k_h.shape[0]})"
-                )
-            idx = idx.to(self.device)
-            keys.append(k_h.index_select(0, idx))
-            values.append(v_h.index_select(0, idx))
-            combined = None if lw_h is None else lw_h.index_select(0, idx)
-            if new_lw is not None:
-                new_lw = new_lw.to(device=self.device, dtype=torch.float32)
-                combined = new_lw if combined is None else compose_log_weights(combined, new_lw)
-            logw.append(combined)
-        log_weights = None
-        if any(w is not None for w in logw):
-            log_weights = torch.cat(
-                [
-                    w if w is not None else torch.zeros(k.shape[0], device=self.device)
-                    for w, k in zip(logw, keys)
-                ]
-            )
-            if not torch.isfinite(log_weights).all():
-                raise ValueError(f"layer {self.layer_idx}: selection has non-finite log-weights")
-        self.prefix = RaggedPrefix(
-            keys=torch.cat(keys).contiguous(),
-            values=torch.cat(values).contiguous(),
-            log_weights=log_weights,
-            lengths=[int(k.shape[0]) for k in keys],
-            covers=self.get_seq_length(),
-        )
+        self.prefix = kept_prefix(self, selection)
         self.tail.clear()  # free the dense buffer; the next token allocates a small tail
-        self.prompt = PromptReading(self.prompt.length, complete=True)
+        self.prompt = PromptReading(self.prompt.length, complete=True, pads=self.prompt.pads)
         self.state = LayerState.EVICTED
-
-    def _current_entries(self, h: int):
-        """Head ``h``'s entries in selection order: prefix first, then the tail."""
-        tail_k = self.tail_keys[0, h]
-        tail_v = self.tail_values[0, h]
-        if self.prefix is None:
-            return tail_k, tail_v, None
-        k, v, lw = self.prefix.head(h)
-        if lw is not None:
-            lw = torch.cat([lw, torch.zeros(self.tail.length, device=self.device)])
-        return torch.cat([k, tail_k]), torch.cat([v, tail_v]), lw
 
 
 class ProbKVCache(Cache):
@@ -443,15 +449,23 @@ class ProbKVCache(Cache):
         self.prompt_length = prompt_length
         self.decode_budget = budget
         self.layer_types = list(layer_types)  # of the config it was built for (checked)
-        # ``[1, t]`` the token ids the cache holds, set by ``probkv.hf.compress`` / ``observe``
+        # ``[B, t]`` the token ids the cache holds, set by ``probkv.hf.compress`` / ``observe``
         # and by ``model.generate`` (``probkv.hf.model``), so that generation continues with
-        # true positions and a different prompt is refused; ``None`` while unknown.
+        # true positions and a different prompt is refused; ``None`` while unknown. A padded
+        # batch's ``attention_mask`` ``[B, t]`` (``None``: nothing padded) goes with them.
         self.token_ids: torch.Tensor | None = None
+        self.attention_mask: torch.Tensor | None = None
+        self._generate_mask: torch.Tensor | None = None  # the mask of a running generate
 
     # ---------------------------------------------------------------- protocol
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         guards.check_layer_index(layer_idx, len(self.layers))  # another model's layers: refused
         if layer_idx == 0:  # a new forward starts at layer 0
+            first = self.layers[self.evicting_layers[0]]
+            if first.is_initialized and key_states.shape[0] != first.batch_size:
+                raise ValueError(guards.batch_message(key_states, first.batch_size))
+            if key_states.shape[0] > 1 and not first.is_initialized:
+                guards.check_batch_supported(self.policy, self.decode_budget)
             self._start_forward(key_states.shape[-2], kwargs.get("kwargs"))
         if layer_idx == 0 and self.awaiting_reconstruction:
             raise ValueError(
@@ -466,7 +480,9 @@ class ProbKVCache(Cache):
         """Checks and decisions before a forward's first layer: the model is the cache's, the
         input continues what the cache holds, and where the prompt ends (module docstring)."""
         guards.check_layers_used(self.layers)
-        guards.check_continues(self.get_seq_length(), attention_kwargs)
+        guards.check_continues(
+            self.get_seq_length(), attention_kwargs, accounting.prompt_tokens(self)
+        )
         guards.check_prompt_end(self.prompt_length, self.get_seq_length(), new_tokens)
         if self.prefill_open:
             if new_tokens > 1:  # another chunk of the prompt
@@ -551,40 +567,32 @@ class ProbKVCache(Cache):
                     "use copy.deepcopy(cache) before each question instead"
                 )
 
-    def before_generate(self, ids: torch.Tensor) -> bool:
-        """``model.generate`` is about to run on ``ids [1, n]`` (``probkv.hf.model``): refuse a
+    def before_generate(self, ids: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
+        """``model.generate`` is about to run on ``ids [B, n]`` (``probkv.hf.model``): refuse a
         prompt that does not begin with the tokens this cache holds (``hf.guards``). Returns
         whether the cache will know its ids afterwards (it knew them, or held nothing)."""
-        held = self.get_seq_length()
-        guards.check_generation_ids(ids, held, self.token_ids)
-        return held == 0 or self.token_ids is not None
+        return accounting.before_generate(self, ids, attention_mask)
 
     def after_generate(self, sequences: torch.Tensor) -> None:
-        """``model.generate`` returned ``sequences [1, n]``: the cache holds their first ids."""
-        held = self.get_seq_length()
-        self.token_ids = sequences[:, :held] if sequences.shape[1] >= held else None
+        """``model.generate`` returned ``sequences [B, n]``: the cache holds their first ids
+        (and, in a padded batch, the prompt's attention mask extended by the new tokens)."""
+        accounting.after_generate(self, sequences)
 
     def copy(self) -> ProbKVCache:
         return copy.deepcopy(self)
 
     # ------------------------------------------------------------- diagnostics
-    def reports(self) -> list[LayerReport]:
-        return [
-            self.layers[i].report for i in self.evicting_layers if self.layers[i].report is not None
-        ]
+    # (``probkv.hf.accounting``: per ``sequence`` of a batch, or the whole cache's)
+    @property
+    def batch_size(self) -> int:
+        return accounting.batch_size(self)
 
-    def nbytes(self) -> int:
-        total = 0
-        for layer in self.layers:
-            if isinstance(layer, EvictingLayer):
-                total += layer.nbytes()
-            elif layer.is_initialized:
-                total += layer.keys.numel() * layer.keys.element_size() * 2
-        return total
+    def reports(self, sequence: int | None = None) -> list[LayerReport]:
+        return accounting.reports(self, sequence)
 
-    def effective_ratio(self) -> float:
+    def nbytes(self, sequence: int | None = None) -> int:
+        return accounting.nbytes(self, sequence)
+
+    def effective_ratio(self, sequence: int | None = None) -> float:
         """Mean over evicting layers and heads of the fraction of prefix entries evicted."""
-        reports = self.reports()
-        if not reports:
-            return 0.0
-        return sum(r.effective_ratio for r in reports) / len(reports)
+        return accounting.effective_ratio(self, sequence)

@@ -11,8 +11,9 @@
   and builds the full ids itself from ``cache.token_ids``.
 - A cache built from another model's config (:func:`check_layer_index`,
   :func:`check_layers_used`, :func:`check_same_layers`): named with both layer counts.
-- A batch (:func:`batch_message`): beam search and several returned sequences run copies of
-  one prompt as a batch and are named as such.
+- A forward whose batch size is not the cache's (:func:`batch_message`: beam search and
+  several returned sequences copy sequences), and what is not batched yet
+  (:func:`check_batch_supported`: decode budgets, reconstruction scores).
 - ``model.generate`` on a prompt that does not begin with the ids the cache holds
   (:func:`check_generation_ids`: ``probkv.hf.prepare_model`` makes ``generate`` call it
   with the whole prompt, before transformers slices off what the cache holds).
@@ -40,10 +41,27 @@ from probkv.scores import needs_reconstruction
 _REBUILD = "build the cache from the model's own config, ProbKVCache(model.config, policy)"
 
 
-def check_continues(held: int, attention_kwargs: dict | None) -> None:
-    """Refuse a forward whose first new token is not at position ``held`` (module docstring)."""
+def check_continues(
+    held: int, attention_kwargs: dict | None, prompt_tokens: list[int] | None = None
+) -> None:
+    """Refuse a forward whose first new token is not at position ``held`` (module docstring).
+    A padded batch (``prompt_tokens``: each sequence's unpadded prompt tokens held) has
+    positions per sequence, lower by its padding: each sequence's last new token must come
+    after its prompt (a new prompt, which starts at 0 again, ends before)."""
     positions = None if attention_kwargs is None else attention_kwargs.get("position_ids")
     if positions is None or positions.numel() == 0:
+        return
+    if positions.ndim == 2 and positions.shape[0] > 1 and held:
+        if prompt_tokens is None or len(prompt_tokens) != positions.shape[0]:
+            return  # another batch size: refused with its own message at the update
+        last = positions[:, -1].tolist()
+        for b, (end, tokens) in enumerate(zip(last, prompt_tokens)):
+            if end < tokens:
+                raise ValueError(
+                    f"sequence {b} of this ProbKVCache's batch holds a prompt of {tokens} "
+                    f"tokens, but the input ends at position {end}: it does not continue it. "
+                    f"{_ONE_PROMPT}"
+                )
         return
     first = int(positions.reshape(-1)[0])
     if first != held:
@@ -93,20 +111,68 @@ def check_same_layers(built_for: Sequence[str], config) -> None:
         )
 
 
-def batch_message(key_states: torch.Tensor) -> str:
-    """Why a batch is refused: copies of one prompt are what beam search and several returned
-    sequences make of it, anything else is several prompts."""
+def batch_message(key_states: torch.Tensor, held: int) -> str:
+    """Why a forward of another batch size than the cache holds is refused: copies of the
+    prompt are what beam search and several returned sequences make of it."""
     b = key_states.shape[0]
-    if all(torch.equal(key_states[0], key_states[i]) for i in range(1, b)):
-        return (
-            f"probkv caches hold one sequence; generate ran {b} copies of the prompt as a batch, "
-            f"which is beam search (num_beams={b}) or num_return_sequences={b}: neither is "
-            "supported; use num_beams=1 and num_return_sequences=1 (one generate call per "
-            "sampled answer)"
-        )
     return (
-        f"probkv evicts caches of batch size 1 only; got batch size {b}. Run prompts one at a time."
+        f"this ProbKVCache holds a batch of {held} sequence(s), but a forward has {b}: beam "
+        "search (num_beams > 1) and several returned sequences (num_return_sequences > 1) "
+        "copy sequences, which probkv caches do not support; use num_beams=1 and "
+        "num_return_sequences=1 (one generate call per sampled answer), and a new cache for "
+        "a new batch"
     )
+
+
+def check_no_copies(generation_config, kwargs: dict) -> None:
+    """``model.generate`` with beam search or several returned sequences would run copies of
+    each prompt as a batch: refused by name before any work (``probkv.hf.model``)."""
+    beams = kwargs.get("num_beams", getattr(generation_config, "num_beams", 1)) or 1
+    returned = kwargs.get(
+        "num_return_sequences", getattr(generation_config, "num_return_sequences", 1)
+    )
+    returned = returned or 1
+    if beams != 1 or returned != 1:
+        raise ValueError(
+            f"generate would run {max(beams, returned)} copies of each prompt as a batch, which "
+            f"is beam search (num_beams={beams}) or several returned sequences "
+            f"(num_return_sequences={returned}): probkv caches do not copy sequences; use "
+            "num_beams=1 and num_return_sequences=1 (one generate call per sampled answer)"
+        )
+
+
+def check_padding(attention_mask: torch.Tensor | None, layers: Sequence) -> None:
+    """A batch's padding after the first real token of a sequence (a later input of
+    different lengths, padded on the left) is masked by probkv's evicting layers, but
+    transformers' sliding-window layers count the padding inside their window, so such a
+    sequence would not see what it sees alone: refused by name for models with them."""
+    if attention_mask is None or attention_mask.ndim != 2 or attention_mask.shape[0] < 2:
+        return
+    inner = (attention_mask[:, 1:].long() < attention_mask[:, :-1].long()).any()
+    sliding = [i for i, layer in enumerate(layers) if getattr(layer, "is_sliding", False)]
+    if bool(inner) and sliding:
+        raise ValueError(
+            "this batch pads a later input of its sequences (the attention mask has zeros "
+            f"after ones), and the model's sliding-window layers ({len(sliding)}, e.g. layer "
+            f"{sliding[0]}) would count that padding inside their window: give every "
+            "sequence new tokens of the same length (or run them one at a time)"
+        )
+
+
+def check_batch_supported(policy: EvictionPolicy, budget) -> None:
+    """A batch of several sequences (each evicted on its own, S11 batches) is refused, by
+    name, for what the batched integration does not do yet: a decode budget's stages
+    (S10.5) and a reconstruction pass (S10.1)."""
+    if budget is not None:
+        raise ValueError(
+            f"a decode budget (max_entries={budget.max_entries}) holds one sequence: its "
+            "stages and decode statistics are not batched; run the prompts one at a time"
+        )
+    if needs_reconstruction(policy.score):
+        raise ValueError(
+            f"score {policy.score!r} reads a reconstruction pass (S10.1), which is not "
+            "batched: compress the prompts one at a time"
+        )
 
 
 def check_no_decode_budget(budget, operation: str) -> None:
@@ -128,11 +194,16 @@ _ONE_PROMPT = (
 
 
 def check_generation_ids(ids: torch.Tensor, held: int, known: torch.Tensor | None) -> None:
-    """Refuse a ``generate`` prompt ``ids [1, n]`` that cannot continue a cache holding
-    ``held`` tokens whose ids are ``known`` (``[1, held]``, or ``None``: only the count is
+    """Refuse a ``generate`` prompt ``ids [B, n]`` that cannot continue a cache holding
+    ``held`` tokens whose ids are ``known`` (``[B, held]``, or ``None``: only the count is
     checked): no longer than what the cache holds, or differing inside it."""
-    if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.shape[0] != 1 or not held:
-        return  # batches are refused with their own message at the first update
+    if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or not held:
+        return
+    if known is not None and known.shape[0] != ids.shape[0]:
+        raise ValueError(
+            f"this ProbKVCache holds a batch of {known.shape[0]} sequence(s), but generate was "
+            f"given {ids.shape[0]}. {_ONE_PROMPT}"
+        )
     n = ids.shape[1]
     if n <= held:
         raise ValueError(
@@ -143,13 +214,14 @@ def check_generation_ids(ids: torch.Tensor, held: int, known: torch.Tensor | Non
     if known is None:
         return
     k = min(known.shape[1], n)
-    differ = (ids[0, :k] != known[0, :k].to(ids.device)).nonzero()
+    differ = (ids[:, :k] != known[:, :k].to(ids.device)).nonzero()
     if differ.numel():
-        i = int(differ[0, 0])
+        s, i = int(differ[0, 0]), int(differ[0, 1])
+        which = f" of sequence {s}" if ids.shape[0] > 1 else ""
         raise ValueError(
             f"this ProbKVCache holds {held} tokens, and the prompt given to generate differs "
-            f"from them at position {i} (the cache holds token id {int(known[0, i])} there, "
-            f"the prompt has {int(ids[0, i])}): it does not continue them. {_ONE_PROMPT}"
+            f"from them at position {i}{which} (the cache holds token id {int(known[s, i])} "
+            f"there, the prompt has {int(ids[s, i])}): it does not continue them. {_ONE_PROMPT}"
         )
 
 

@@ -116,12 +116,14 @@ def _checked_generate(self, *args, **kwargs):
     kwargs = _renamed(kwargs)
     cache = kwargs.get(CACHE_ARGUMENT)
     ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+    if isinstance(cache, ProbKVCache):
+        guards.check_no_copies(kwargs.get("generation_config") or self.generation_config, kwargs)
     tracks = isinstance(cache, ProbKVCache) and isinstance(ids, torch.Tensor)
-    tracks = tracks and cache.before_generate(ids)
+    tracks = tracks and cache.before_generate(ids, kwargs.get("attention_mask"))
     out = type(self).generate(self, *args, **kwargs)
     if tracks:
         sequences = out if isinstance(out, torch.Tensor) else out.sequences
-        if sequences.ndim == 2 and sequences.shape[0] == 1:
+        if sequences.ndim == 2 and sequences.shape[0] == ids.shape[0]:
             cache.after_generate(sequences)
     return out
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from probkv.estimation import compose_log_weights
+
 
 @dataclass
 class RaggedPrefix:
@@ -52,6 +54,61 @@ class RaggedPrefix:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def kept_prefix(layer, selection) -> RaggedPrefix:
+    """The prefix ``layer`` holds after keeping ``selection`` (``EvictingLayer.evict``, which
+    checked its number of heads): each segment's kept entries of its current entries (its
+    prefix, then its tail), log-weights composed (S4)."""
+    keys, values, logw = [], [], []
+    for h in range(layer.num_segments):
+        idx, new_lw = selection.head(h)
+        k_h, v_h, lw_h = _current_entries(layer, h)
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= k_h.shape[0]):
+            raise ValueError(
+                f"selection for head {h} of layer {layer.layer_idx} has indices outside "
+                f"[0, {k_h.shape[0]})"
+            )
+        idx = idx.to(layer.device)
+        keys.append(k_h.index_select(0, idx))
+        values.append(v_h.index_select(0, idx))
+        combined = None if lw_h is None else lw_h.index_select(0, idx)
+        if new_lw is not None:
+            new_lw = new_lw.to(device=layer.device, dtype=torch.float32)
+            combined = new_lw if combined is None else compose_log_weights(combined, new_lw)
+        logw.append(combined)
+    log_weights = None
+    if any(w is not None for w in logw):
+        log_weights = torch.cat(
+            [
+                w if w is not None else torch.zeros(k.shape[0], device=layer.device)
+                for w, k in zip(logw, keys)
+            ]
+        )
+        if not torch.isfinite(log_weights).all():
+            raise ValueError(f"layer {layer.layer_idx}: selection has non-finite log-weights")
+    return RaggedPrefix(
+        keys=torch.cat(keys).contiguous(),
+        values=torch.cat(values).contiguous(),
+        log_weights=log_weights,
+        lengths=[int(k.shape[0]) for k in keys],
+        covers=layer.get_seq_length(),
+    )
+
+
+def _current_entries(layer, h: int):
+    """Segment ``h``'s entries in selection order: prefix first, then the tail (the prompt
+    without its padding before the first eviction)."""
+    b, head = divmod(h, layer.num_heads)
+    start = layer.pads[b] if layer.prefix is None else 0
+    tail_k = layer.tail_keys[b, head, start:]
+    tail_v = layer.tail_values[b, head, start:]
+    if layer.prefix is None:
+        return tail_k, tail_v, None
+    k, v, lw = layer.prefix.head(h)
+    if lw is not None:
+        lw = torch.cat([lw, torch.zeros(layer.tail.length, device=layer.device)])
+    return torch.cat([k, tail_k]), torch.cat([v, tail_v]), lw
+
+
 # Tail buffers grow by this many slots at least (amortised O(1) appends during decoding,
 # instead of transformers' copy of the whole cache at every step).
 TAIL_GROWTH = 16
@@ -59,7 +116,7 @@ TAIL_GROWTH = 16
 
 class DenseTail:
     """The tokens an ``EvictingLayer`` stores densely: the whole prompt before eviction, the
-    tokens added since after it. ``[1, Hkv, capacity, d]`` buffers, of which the first
+    tokens added since after it. ``[B, Hkv, capacity, d]`` buffers, of which the first
     ``length`` slots are used; appends grow them geometrically (``append``)."""
 
     def __init__(self) -> None:
@@ -80,7 +137,7 @@ class DenseTail:
         return 0 if self._keys is None else self._keys.shape[2]
 
     def append(self, key: torch.Tensor, value: torch.Tensor, limit=None) -> None:
-        """Store ``key``/``value [1, Hkv, n, d]`` after the used slots. A full buffer grows to
+        """Store ``key``/``value [B, Hkv, n, d]`` after the used slots. A full buffer grows to
         exactly what is needed when empty, else by ``max(TAIL_GROWTH, capacity / 8)``;
         ``limit(need, planned) -> capacity`` may change that (the caller's bound)."""
         need = self.length + key.shape[2]
@@ -94,7 +151,7 @@ class DenseTail:
         self.length = need
 
     def _grow(self, old: torch.Tensor | None, like: torch.Tensor, capacity: int) -> torch.Tensor:
-        new = like.new_empty((1, like.shape[1], capacity, like.shape[3]))
+        new = like.new_empty((like.shape[0], like.shape[1], capacity, like.shape[3]))
         if old is not None and self.length:
             new[:, :, : self.length] = old[:, :, : self.length]
         return new

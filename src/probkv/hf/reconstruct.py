@@ -213,15 +213,17 @@ def reconstruct(
             **{k: v for k, v in params.items() if k in score_fns.score_param_names(name)},
         )
         layer.observed(
-            LayerObservation(
-                layer_idx=layer.layer_idx,
-                rank=layer.rank,
-                log_scores=scores.log_scores,
-                forced=scores.forced,
-                last_query_attention=layer.last_query_attention,
-                reference_queries=scoring.stats.reference_queries,
-                scale=scoring.scale,
-            )
+            [
+                LayerObservation(
+                    layer_idx=layer.layer_idx,
+                    rank=layer.rank,
+                    log_scores=scores.log_scores,
+                    forced=scores.forced,
+                    last_query_attention=layer.last_query_attention,
+                    reference_queries=scoring.stats.reference_queries,
+                    scale=scoring.scale,
+                )
+            ]
         )
 
 

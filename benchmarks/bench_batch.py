@@ -1,0 +1,170 @@
+"""Batches of prompts (S11 batches): decode throughput and KV bytes at batch sizes 1, 4, 16,
+full cache vs probkv eviction, and ``probkv eval``'s examples per second at batch size 4 vs 1.
+
+One run, side by side, on the CPU, float32, one torch thread per process (say the CPU with
+any figure). Part 1: ``B`` prompts of about ``--length`` tokens (probkv's seeded prose, lengths
+spread -10%..0% so the batch is padded), prefilled together, then ``--new-tokens`` greedy tokens
+generated for every sequence; generated tokens per second of decode (prefill excluded) and the
+KV bytes held after prefill, for the full cache (transformers' ``DynamicCache``) and
+``--method`` at each ratio; ratios are to B = 1 of the same cache. Part 2: ``probkv eval`` on
+``--eval-examples`` generated needle examples with ``--eval-method`` at r = 0.5, batch size 4
+vs 1 (same rows: checked), examples per second and their ratio.
+
+    .venv/bin/python benchmarks/bench_batch.py [--length 2048] [--batches 1 4 16]
+        [--ratios 0.5 0.75] [--new-tokens 32] [--model smollm2-135m] [--no-eval]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from probkv.eval.long_decode import prose_text
+from probkv.hf import compress, generate, pad_left, prepare_model
+from probkv.models import load_model
+from probkv.policies import parse_method
+
+
+def prompts(tokenizer, length: int, batch: int) -> list[torch.Tensor]:
+    text = prose_text(length * 2, seed=0)
+    ids = tokenizer(text, return_tensors="pt").input_ids[0]
+    spread = torch.linspace(-0.1, 0.0, batch) if batch > 1 else torch.zeros(1)
+    return [ids[i * 7 : i * 7 + int(length * (1 + s))] for i, s in enumerate(spread.tolist())]
+
+
+def _dynamic_bytes(cache) -> int:
+    return sum(
+        t.numel() * t.element_size()
+        for layer in cache.layers
+        for t in (layer.keys, layer.values)
+        if t is not None and hasattr(t, "numel")
+    )
+
+
+@torch.no_grad()
+def run_full(model, seqs, new_tokens: int) -> tuple[float, int]:
+    """(decode seconds, KV bytes after prefill) of the plain model on a padded batch."""
+    ids, mask = pad_left(seqs)
+    cache = DynamicCache(config=model.config)
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    model(
+        input_ids=ids[:, :-1],
+        attention_mask=mask[:, :-1],
+        position_ids=positions[:, :-1],
+        cache=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    held = _dynamic_bytes(cache)
+    start = time.perf_counter()
+    model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        cache=cache,
+        do_sample=False,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+    )
+    return time.perf_counter() - start, held
+
+
+@torch.no_grad()
+def run_probkv(model, seqs, new_tokens: int, policy) -> tuple[float, int]:
+    """(decode seconds, KV bytes after eviction) with probkv: the prompts but their last
+    token compressed together, then the last tokens fed and ``new_tokens`` generated."""
+    cache = compress(model, [s[:-1] for s in seqs], policy)
+    held = cache.nbytes()
+    last = torch.stack([s[-1:] for s in seqs])
+    start = time.perf_counter()
+    if len(seqs) == 1:
+        generate(model, cache, last[0], max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+    else:
+        generate(model, cache, last, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+    return time.perf_counter() - start, held
+
+
+def decode_table(model, tokenizer, args) -> None:
+    print(f"decode: prompts of ~{args.length} tokens, {args.new_tokens} new tokens each")
+    print("| cache | B | tokens/s | vs B=1 | KV bytes | bytes / sequence |")
+    print("|---|---:|---:|---:|---:|---:|")
+    caches = [("full", None)] + [
+        (f"{args.method} r={r}", parse_method(args.method, ratio=r)) for r in args.ratios
+    ]
+    for name, policy in caches:
+        base = None
+        for b in args.batches:
+            seqs = prompts(tokenizer, args.length, b)
+            if policy is None:
+                seconds, held = run_full(model, seqs, args.new_tokens)
+            else:
+                seconds, held = run_probkv(model, seqs, args.new_tokens, policy)
+            rate = b * args.new_tokens / seconds
+            base = rate if base is None else base
+            print(
+                f"| {name} | {b} | {rate:.1f} | {rate / base:.2f}x | {held} | {held // b} |",
+                flush=True,
+            )
+
+
+def eval_table(args) -> None:
+    from probkv.eval.config import RunConfig
+    from probkv.eval.runner import run_eval
+    from probkv.eval.store import RESULTS_FILE, read_results
+
+    config = RunConfig(
+        model=args.model,
+        methods=(args.eval_method,),
+        ratios=(0.5,),
+        tasks=("niah_single_1",),
+        lengths=(args.eval_length,),
+        per_task=args.eval_examples,
+    )
+    rates, predictions = {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for size in (1, 4):
+            out = Path(tmp) / f"b{size}"
+            start = time.perf_counter()
+            run_eval(config, out, progress=False, batch_size=size)
+            rates[size] = args.eval_examples / (time.perf_counter() - start)
+            rows = read_results(out / RESULTS_FILE)
+            predictions[size] = {r["id"]: r["prediction"] for r in rows}
+    same = predictions[1] == predictions[4]
+    print(
+        f"eval: {args.eval_examples} examples of {args.eval_length} tokens, "
+        f"{args.eval_method} r=0.5 (model loading included)"
+    )
+    print(
+        f"examples/s: batch 1 {rates[1]:.3f}, batch 4 {rates[4]:.3f}, "
+        f"ratio {rates[4] / rates[1]:.2f}x; same predictions: {same}"
+    )
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--length", type=int, default=2048)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.75])
+    ap.add_argument("--method", default="prob:snapkv")
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--eval-examples", type=int, default=8)
+    ap.add_argument("--eval-length", type=int, default=1024)
+    ap.add_argument("--eval-method", default="snapkv")
+    ap.add_argument("--no-eval", action="store_true")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    model, tokenizer = load_model(args.model, dtype=torch.float32)
+    prepare_model(model)
+    decode_table(model, tokenizer, args)
+    if not args.no_eval:
+        eval_table(args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
