@@ -18,6 +18,7 @@ from probkv.hf.decode_budget import DecodeBudget
 from probkv.hf.scorer import with_scorer
 from probkv.models.testing import tiny_model
 from probkv.policies import parse_method
+from probkv.policies.topk import threshold_count
 from probkv.scores import surrogate as sg
 
 
@@ -168,6 +169,22 @@ def test_a_cross_head_score_not_fixed_per_entry_is_refused_under_a_decode_budget
         DecodeBudget(12).check_policy(parse_method("topk:knorm", 0.5).__class__(score="crossnorm"))
     monkeypatch.setattr(hs, "shipped_scorers", lambda: (_scorer_for(model),))
     DecodeBudget(12).check_policy(parse_method("topk:kvzap"))  # fixed per entry: accepted
+
+
+def test_kvzap_threshold_mode_reports_each_prompts_effective_ratio(model, monkeypatch):
+    """S11 threshold mode through the cache: ``kvzap/threshold=x`` keeps the entries scoring
+    above x (and the sinks), so the compression differs per prompt, and the cache reports it."""
+    monkeypatch.setattr(hs, "shipped_scorers", lambda: (_scorer_for(model),))
+    policy = with_scorer(parse_method("kvzap/threshold=-4", 0.0), model.config)
+    ratios = []
+    for n in (30, 50):
+        cache = observe(model, _ids(n), "kvzap", policy.score_params)
+        observations = [cache.layers[i].observation for i in cache.evicting_layers]
+        kept, entries = threshold_count(observations, -4.0)
+        cache.evict(policy)
+        assert cache.effective_ratio() == pytest.approx(1 - kept / entries)
+        ratios.append(cache.effective_ratio())
+    assert 0 < ratios[0] < 1 and ratios[0] != ratios[1]
 
 
 @pytest.mark.slow

@@ -23,7 +23,7 @@ from probkv.policies import (
     top_k_versions,
 )
 from probkv.policies.prob_designs import default
-from probkv.scores import SCORE_NAMES, needs_reconstruction
+from probkv.scores import SCORE_NAMES, needs_reconstruction, on_attention_scale
 
 NAMED = [
     "full",
@@ -191,6 +191,7 @@ VALUES = {
     "units": ["blocks", "spans"],
     "pool": ["1", "3", "7"],
     "calibrate": ["inf", "0.01", "1"],
+    "threshold": ["-3.5", "-6", "0"],
 }
 SPAN_OPTIONS = ("core", "block", "order", "units")  # S10: designs of pps
 
@@ -211,6 +212,10 @@ def does_nothing(name: str, options: list[str]) -> bool:
     pyramid = name in ("pyramidkv", "ada_pyramidkv") or keys.get("layer_budgets") == "pyramid"
     if ("alpha" in keys and not ada) or ("beta" in keys and not pyramid):
         return True
+    if "threshold" in keys and (
+        not on_attention_scale(parse_method(name).score) or keys.get("scope") == "model"
+    ):
+        return True  # S11: a threshold compares attention-scale log-scores, head scope
     return model_scope_refused(name, keys)
 
 

@@ -28,8 +28,8 @@ head, a pps stage at most ``B + K - 1`` (its blocks hold at most ``K`` entries, 
 keeps up to ``block - 1`` more or fewer than ``B``).
 
 Refused by name, since they cannot hold it: Ada-KV head budgets, PyramidKV / global layer
-budgets and the global scope (their budgets move between heads or layers, while a decode
-budget holds every head to ``B``), scores read from a reconstruction pass (KVzip, S10.1: a
+budgets, the global scope and a threshold (their budgets move between heads or layers, or
+with the prompt, while a decode budget holds every head to ``B``), scores read from a reconstruction pass (KVzip, S10.1: a
 second model run over the context, which a decode step does not have), spans (a random kept
 count, S10.3), the with-replacement sampler (``B`` distinct entries in expectation only, S3)
 and ``full`` (it keeps everything).
@@ -79,6 +79,8 @@ class DecodeBudget:
             value = getattr(policy, name, allowed)
             if value != allowed:
                 refused.append(f"{name}={value!r}")
+        if getattr(policy, "threshold", None) is not None:
+            refused.append(f"threshold={policy.threshold!r} (its kept count adapts per prompt)")
         if getattr(policy, "scope", "head") != "head":
             refused.append(f"scope={policy.scope!r}")
         if scores.needs_reconstruction(policy.score):
