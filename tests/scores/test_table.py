@@ -434,7 +434,7 @@ def test_validate_params_and_param_names():
 def test_table_declares_scale_source_and_defaults():
     """The facts the rest of probkv reads from the table (Ada-KV's scale, S6; the policies'
     defaults; the reconstruction scores of S10.1)."""
-    reconstruction = {"kvzip", "h2o-rec", "min-rec"}
+    reconstruction = {"kvzip", "kvzip-plus", "h2o-rec", "min-rec"}
     attention = {name for name in SCORE_NAMES if on_attention_scale(name)}
     surrogates = {"kvzap"}  # S11: predicts kvzip's scale
     expected = {"h2o", "h2o-h", "min", "min-h", "snapkv", "tova", *reconstruction, *surrogates}

@@ -43,6 +43,7 @@ from probkv.scores.reconstruction import (
     DEFAULT_CHUNK_TOKENS,
     h2o_reconstruction,
     kvzip,
+    kvzip_plus,
     min_reconstruction,
 )
 from probkv.scores.surrogate import check_scorer, kvzap
@@ -160,7 +161,9 @@ class ScoreSpec:
     budget computes it once, when the entry enters (every KV head's entry of that position is
     there then), and carries it through its stages
     (``probkv.scores.decode_statistics.DecodeStatistics.enter``). A decode budget refuses a
-    ``cross_head`` score that is not ``fixed``.
+    ``cross_head`` score that is not ``fixed``. ``output_weighted``: a reconstruction score
+    that reads the pass weighted by ``||W_o^q v_i|| / ||h_u||`` (KVzip+, S11): the integration
+    weighs the pass for it (``ReconstructionStats.max_weighted``).
     """
 
     function: Callable[..., Scores]
@@ -173,6 +176,7 @@ class ScoreSpec:
     value_norm: bool = False
     cross_head: bool = False
     fixed: bool = False
+    output_weighted: bool = False
 
     def __post_init__(self) -> None:
         # A row that cannot be called as declared fails at import, not at the first prefill.
@@ -185,6 +189,8 @@ class ScoreSpec:
         check_choice(self.source, SCORE_SOURCES, "source")
         if self.value_norm and "value" not in self.inputs:
             raise ValueError(f"{self.function.__name__}: value_norm needs the value input")
+        if self.output_weighted and self.source != "reconstruction":
+            raise ValueError(f"{self.function.__name__}: output_weighted reads a reconstruction")
         if self.fixed and ({"query", "column_sums", "reconstruction"} & set(self.inputs)):
             raise ValueError(f"{self.function.__name__}: a fixed score reads no query rows")
         if isinstance(self.last_rows, str):
@@ -269,6 +275,15 @@ SCORE_TABLE: dict[str, ScoreSpec] = {
         {"sinks": _SINKS, "chunk_tokens": _CHUNK_TOKENS},
         attention_scale=True,
         source="reconstruction",
+    ),
+    # S11: KVzap's teacher, KVzip's rows weighted by ||W_o v_i|| / ||h_u||
+    "kvzip-plus": ScoreSpec(
+        kvzip_plus,
+        ("reconstruction",),
+        {"sinks": _SINKS, "chunk_tokens": _CHUNK_TOKENS},
+        attention_scale=True,
+        source="reconstruction",
+        output_weighted=True,
     ),
     "h2o-rec": ScoreSpec(
         h2o_reconstruction,
