@@ -24,6 +24,7 @@ from probkv.policies import (
 )
 from probkv.policies.prob_designs import default
 from probkv.scores import SCORE_NAMES, needs_reconstruction, on_attention_scale
+from probkv.scores.reconstruction import kvzip_plus
 
 NAMED = [
     "full",
@@ -93,6 +94,7 @@ def test_default_score_params_are_the_score_functions_defaults_except_snapkv_gqa
         "snapkv": scores.snapkv,
         "streaming_llm": scores.streaming_llm,
         "kvzip": scores.kvzip,
+        "kvzip-plus": kvzip_plus,
         "h2o-rec": scores.h2o_reconstruction,
         "min-rec": scores.min_reconstruction,
         "kvzap": scores.kvzap,
