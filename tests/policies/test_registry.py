@@ -386,7 +386,7 @@ def test_prob_kvzip_budget_is_global_by_default():
         assert method_name(parse_method(name, 0.5)) == name
     global_scores = [s for s in SCORE_NAMES if default("scope", s, "pps") == "global"]
     # the reconstruction scores and kvzip's surrogate (S11)
-    assert global_scores == ["kvzip", "h2o-rec", "min-rec", "kvzap"]
+    assert global_scores == ["kvzip", "kvzip-plus", "h2o-rec", "min-rec", "kvzap"]
 
 
 def test_prob_core_defaults_follow_the_score_and_the_sampler():
@@ -404,6 +404,7 @@ def test_prob_core_defaults_follow_the_score_and_the_sampler():
         "streaming_llm": 0.9,
         "uniform": 0.9,
         "kvzip": 0.5,
+        "kvzip-plus": 0.5,  # as kvzip's (not measured on its own)
         "h2o-rec": 0.5,
         "min-rec": 0.5,
         "kvzap": 0.5,
@@ -478,7 +479,7 @@ def test_prob_block_defaults_follow_the_score_and_the_sampler():
     (docs/evaluation.md, "Spans for `prob:kvzip`"); the with-replacement sampler has single
     entries; the canonical name drops the score's own defaults and keeps any other design."""
     blocks = {s: default("block", s, "pps") for s in SCORE_NAMES}
-    spans = ("kvzip", "kvzap")  # kvzap mirrors kvzip, whose scale it predicts (S11)
+    spans = ("kvzip", "kvzip-plus", "kvzap")  # kvzap mirrors kvzip (S11), kvzip-plus too
     assert blocks == {s: (32 if s in spans else 8) for s in SCORE_NAMES}
     units = {s: default("units", s, "pps") for s in SCORE_NAMES}
     assert units == {s: ("spans" if s in spans else "blocks") for s in SCORE_NAMES}
