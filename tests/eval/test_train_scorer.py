@@ -140,6 +140,38 @@ def test_train_scorer_bad_input(trained):
         ts.train_scorer(model, tiny_tokenizer(), name="t", work_dir=work, contexts=4, heldout=1)
     with pytest.raises(ValueError, match="features"):
         ts.train_scorer(model, tiny_tokenizer(), name="t", work_dir=work, features="hidden")
+    with pytest.raises(ValueError, match="teacher must be one of"):
+        ts.train_scorer(model, tiny_tokenizer(), name="t", work_dir=work, teacher="h2o")
+
+
+def test_train_scorer_on_kvzip_plus_refuses_another_teachers_statistics(trained, tmp_path):
+    """S11: KVzap's teacher, KVzip+; a work folder saved for KVzip is refused by name (its
+    targets are another score), a fresh one trains and records the teacher."""
+    model, _, work = trained
+    with pytest.raises(ValueError, match="saved for teacher 'kvzip', not 'kvzip-plus'"):
+        ts.train_scorer(
+            model,
+            tiny_tokenizer(),
+            name="t",
+            work_dir=work,
+            contexts=4,
+            heldout=2,
+            length=LENGTH,
+            progress=False,
+            teacher="kvzip-plus",
+        )
+    plus = ts.train_scorer(
+        model,
+        tiny_tokenizer(),
+        name="t",
+        work_dir=tmp_path / "plus",
+        contexts=4,
+        heldout=2,
+        length=LENGTH,
+        progress=False,
+        teacher="kvzip-plus",
+    )
+    assert plus.recipe["teacher"] == "kvzip-plus" and sorted(plus.layers) == [0, 1]
 
 
 def test_train_scorer_cli(tmp_path, capsys):

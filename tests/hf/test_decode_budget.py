@@ -172,6 +172,7 @@ def test_refused_by_name(model):
         ("prob:h2o/units=spans", "units='spans'"),
         ("prob:h2o/sampler=with_replacement/weights=inclusion", "with_replacement"),
         ("full", "'full'"),
+        ("topk:snapkv/threshold=-3", "threshold=-3.0"),
     ):
         with pytest.raises(ValueError, match=word):
             ProbKVCache(model.config, parse_method(method), max_entries=8)

@@ -338,3 +338,64 @@ def test_smollm2_kvzip_keeps_the_needle_before_the_question(smollm2):
                 assert example.answers[0] in text, (example.id, text)
     finally:
         model.set_attn_implementation("sdpa")
+
+
+def kvzip_plus_oracle(model, ids, prompt, chunk_tokens, layers):
+    """Oracle of KVzip+ (S11, kvpress's ``kvzip_plus_normalization``): eager attention over
+    context + each chunk, each row's probabilities divided by the norm of its attention input
+    (the layer's normalised hidden state) and multiplied by ``||W_o^q v_i||``; the max over
+    rows and GQA group of the first t columns, per evicting layer."""
+    t = ids.shape[1]
+    chunks = reconstruction_chunks(
+        ids[0].tolist(),
+        first=prompt.first,
+        later=prompt.later,
+        suffix=prompt.suffix,
+        context_start=prompt.context_start(ids[0].tolist()),
+        chunk_tokens=chunk_tokens,
+    )
+    c = model.config
+    hkv, hq = c.num_key_value_heads, c.num_attention_heads
+    d = getattr(c, "head_dim", None) or c.hidden_size // hq
+    stats = {i: torch.zeros(hkv, t, dtype=torch.float64) for i in layers}
+    model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            for chunk in chunks:
+                full = torch.cat([ids, torch.tensor([chunk.input_ids])], dim=1)
+                out = model(input_ids=full, output_attentions=True, output_hidden_states=True)
+                for i in layers:
+                    block = model.model.layers[i]
+                    h = block.input_layernorm(out.hidden_states[i][0]).double()
+                    v = block.self_attn.v_proj(h[:t].float())
+                    v = v.double().view(t, hkv, d).transpose(0, 1)
+                    wo = block.self_attn.o_proj.weight.double()
+                    cols = torch.stack(
+                        [
+                            (v[q // (hq // hkv)] @ wo[:, q * d : (q + 1) * d].T).norm(dim=-1)
+                            for q in range(hq)
+                        ]
+                    )  # [Hq, t]
+                    rows = out.attentions[i][0, :, t:, :t].double()  # [Hq, n, t]
+                    w = rows / h[t:].norm(dim=-1).view(1, -1, 1) * cols.unsqueeze(1)
+                    stats[i] = torch.maximum(stats[i], w.amax(1).view(hkv, -1, t).amax(1))
+    finally:
+        prepare_model(model)
+    return stats
+
+
+def test_kvzip_plus_equals_its_dense_oracle(tiny):
+    """S11: the reconstruction pass weighted by ||W_o^q v_i|| / ||h_u|| (a pre-hook reads the
+    rows' attention input, the output projection the entries' contribution) gives the oracle's
+    scores; the forced prefix is KVzip's."""
+    model = tiny
+    ids = context_ids(model, 30)
+    cache = observe(model, ids, "kvzip-plus", {"chunk_tokens": 12}, repeat_prompt=PROMPT)
+    expected = kvzip_plus_oracle(model, ids, PROMPT, 12, cache.evicting_layers)
+    forced = 4
+    for i in cache.evicting_layers:
+        obs = cache.layers[i].observation
+        assert (obs.forced[:, :forced]).all() and not obs.forced[:, forced:].any()
+        got = obs.log_scores[:, forced:].double().exp()
+        want = expected[i][:, forced:].clamp_min(FLOOR / (30 - forced))
+        torch.testing.assert_close(got, want, rtol=2e-4, atol=1e-7)

@@ -1,6 +1,6 @@
 """The kvzap scorer in the integration (probkv.hf.scorer, S11) on tiny models: the model's
 identity, the shipped-scorer lookup (refused by name without one), kvzap by name in
-``compress``, and its refusal under a decode budget."""
+``compress``, and under a decode budget (each entry scored once, when it enters)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,15 @@ import dataclasses
 import pytest
 import torch
 
-from probkv.hf import ProbKVCache, compress, observe, prepare_model
+from probkv import scores
+from probkv.hf import ProbKVCache, compress, decode_budget, observe, prepare_model
 from probkv.hf import scorer as hs
+from probkv.hf.cache import EvictingLayer
+from probkv.hf.decode_budget import DecodeBudget
 from probkv.hf.scorer import with_scorer
 from probkv.models.testing import tiny_model
 from probkv.policies import parse_method
+from probkv.policies.topk import threshold_count
 from probkv.scores import surrogate as sg
 
 
@@ -89,16 +93,98 @@ def test_one_kvzap_observation_serves_every_kvzap_policy(model, monkeypatch):
         copy.deepcopy(cache).evict(parse_method("kvzap", 0.5))
 
 
-def test_kvzap_is_refused_by_name_under_a_decode_budget(model, monkeypatch):
-    """S10.5, S11: after a stage the heads hold different positions, and the scorer reads every
-    head's features at one position, so a decode budget refuses kvzap in every form."""
+def _recording_updates(monkeypatch) -> dict[int, list[torch.Tensor]]:
+    """Every key and value entering each evicting layer, as ``EvictingLayer.update`` gets them."""
+    seen: dict[int, list] = {}
+    original = EvictingLayer.update
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        seen.setdefault(self.layer_idx, []).append((key_states[0], value_states[0]))
+        return original(self, key_states, value_states, *args, **kwargs)
+
+    monkeypatch.setattr(EvictingLayer, "update", update)
+    return seen
+
+
+@pytest.mark.parametrize("method", ["topk:kvzap", "prob:kvzap/scope=head/units=blocks"])
+def test_kvzap_under_a_decode_budget_scores_each_entry_as_the_whole_sequence_would(
+    model, monkeypatch, method
+):
+    """S10.5, S11: an entry's kvzap score reads every KV head's key and value at its position
+    and nothing later (``ScoreSpec.fixed``), so a decode budget scores it once, when it enters
+    (the prompt's at prefill, the tail's at the stage) and keeps it: at every stage, every
+    head's entries carry exactly the scores (and the 4 sinks' forced flags) that the whole
+    sequence's keys and values give them, and the budget holds."""
+    scorer = _scorer_for(model)
+    monkeypatch.setattr(hs, "shipped_scorers", lambda: (scorer,))
+    seen = _recording_updates(monkeypatch)
+    original = decode_budget.next_stage
+    checked = []
+
+    def next_stage(layer, scale):
+        held = [decode_budget._head_entries(layer, h)[0] for h in range(layer.num_heads)]
+        stage = original(layer, scale)
+        keys = torch.cat([k for k, _ in seen[layer.layer_idx]], 1)
+        values = torch.cat([v for _, v in seen[layer.layer_idx]], 1)
+        whole = sg.kvzap(keys, values, layer_idx=layer.layer_idx, surrogate=scorer, sinks=4)
+        for i, (_, obs) in enumerate(stage.groups):
+            heads = range(layer.num_heads) if len(stage.groups) == 1 else [i]
+            for j, h in enumerate(heads):
+                match = (held[h].unsqueeze(1) == keys[h].unsqueeze(0)).all(-1)
+                assert (match.sum(1) == 1).all()
+                positions = match.float().argmax(1)
+                torch.testing.assert_close(
+                    obs.log_scores[j], whole.log_scores[h, positions], atol=1e-5, rtol=1e-5
+                )
+                forced = torch.zeros_like(positions, dtype=torch.bool)
+                if obs.forced is not None:
+                    forced = obs.forced[j]
+                assert torch.equal(forced, positions < 4)
+        checked.append(layer.layer_idx)
+        return stage
+
+    monkeypatch.setattr(decode_budget, "next_stage", next_stage)
+    cache = ProbKVCache(
+        model.config, parse_method(method), prompt_length=24, max_entries=12, every=4
+    )
+    ids = _ids(60)
+    with torch.no_grad():
+        model(input_ids=ids[:, :24], cache=cache, use_cache=True)
+        for i in range(24, 60):
+            model(input_ids=ids[:, i : i + 1], cache=cache, use_cache=True)
+            for idx in cache.evicting_layers:
+                assert cache.layers[idx].physical_length() < 12 + 4
+    assert len(checked) >= 2 * len(cache.evicting_layers)
+    assert cache.policy.score_params["surrogate"] is scorer
+
+
+def test_a_cross_head_score_not_fixed_per_entry_is_refused_under_a_decode_budget(
+    model, monkeypatch
+):
+    """A score that reads every KV head at a position and later rows too could not be held
+    after a stage (each head holds its own entries): refused by name."""
+    row = dataclasses.replace(scores.SCORE_TABLE["knorm"], cross_head=True)
+    monkeypatch.setitem(scores.SCORE_TABLE, "crossnorm", row)
+    with pytest.raises(ValueError, match="'crossnorm' under a decode budget"):
+        DecodeBudget(12).check_policy(parse_method("topk:knorm", 0.5).__class__(score="crossnorm"))
     monkeypatch.setattr(hs, "shipped_scorers", lambda: (_scorer_for(model),))
-    for method in ("kvzap", "prob:kvzap", "topk:kvzap", "prob:kvzap/scope=head/units=blocks"):
-        with pytest.raises(ValueError, match="'kvzap' under a decode budget"):
-            ProbKVCache(model.config, parse_method(method), max_entries=12)
-    cache = ProbKVCache(model.config, parse_method("tova"), prompt_length=20, max_entries=12)
-    with pytest.raises(ValueError, match="'kvzap' under a decode budget"):
-        cache.evict(parse_method("topk:kvzap"))
+    DecodeBudget(12).check_policy(parse_method("topk:kvzap"))  # fixed per entry: accepted
+
+
+def test_kvzap_threshold_mode_reports_each_prompts_effective_ratio(model, monkeypatch):
+    """S11 threshold mode through the cache: ``kvzap/threshold=x`` keeps the entries scoring
+    above x (and the sinks), so the compression differs per prompt, and the cache reports it."""
+    monkeypatch.setattr(hs, "shipped_scorers", lambda: (_scorer_for(model),))
+    policy = with_scorer(parse_method("kvzap/threshold=-4", 0.0), model.config)
+    ratios = []
+    for n in (30, 50):
+        cache = observe(model, _ids(n), "kvzap", policy.score_params)
+        observations = [cache.layers[i].observation for i in cache.evicting_layers]
+        kept, entries = threshold_count(observations, -4.0)
+        cache.evict(policy)
+        assert cache.effective_ratio() == pytest.approx(1 - kept / entries)
+        ratios.append(cache.effective_ratio())
+    assert 0 < ratios[0] < 1 and ratios[0] != ratios[1]
 
 
 @pytest.mark.slow

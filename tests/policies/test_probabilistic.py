@@ -856,7 +856,9 @@ def test_calibrate_names_and_refusals():
     for bad in (0, -1.0, float("nan"), "much"):
         with pytest.raises(ValueError, match=r"calibrate must be a number > 0"):
             ProbabilisticPolicy(score="kvzip", calibrate=bad)
-    with pytest.raises(ValueError, match=r"calibrate=0.01 with score='h2o': .*kvzip, h2o-rec"):
+    with pytest.raises(
+        ValueError, match=r"calibrate=0.01 with score='h2o': .*kvzip, kvzip-plus, h2o-rec"
+    ):
         ProbabilisticPolicy(score="h2o", calibrate=0.01)
     for options in ({"correct": False}, {"tau": math.inf}):
         with pytest.raises(ValueError, match=r"calibrate=0.01 calibrates the correction"):

@@ -23,7 +23,8 @@ from probkv.policies import (
     top_k_versions,
 )
 from probkv.policies.prob_designs import default
-from probkv.scores import SCORE_NAMES, needs_reconstruction
+from probkv.scores import SCORE_NAMES, needs_reconstruction, on_attention_scale
+from probkv.scores.reconstruction import kvzip_plus
 
 NAMED = [
     "full",
@@ -93,6 +94,7 @@ def test_default_score_params_are_the_score_functions_defaults_except_snapkv_gqa
         "snapkv": scores.snapkv,
         "streaming_llm": scores.streaming_llm,
         "kvzip": scores.kvzip,
+        "kvzip-plus": kvzip_plus,
         "h2o-rec": scores.h2o_reconstruction,
         "min-rec": scores.min_reconstruction,
         "kvzap": scores.kvzap,
@@ -191,6 +193,7 @@ VALUES = {
     "units": ["blocks", "spans"],
     "pool": ["1", "3", "7"],
     "calibrate": ["inf", "0.01", "1"],
+    "threshold": ["-3.5", "-6", "0"],
 }
 SPAN_OPTIONS = ("core", "block", "order", "units")  # S10: designs of pps
 
@@ -211,6 +214,10 @@ def does_nothing(name: str, options: list[str]) -> bool:
     pyramid = name in ("pyramidkv", "ada_pyramidkv") or keys.get("layer_budgets") == "pyramid"
     if ("alpha" in keys and not ada) or ("beta" in keys and not pyramid):
         return True
+    if "threshold" in keys and (
+        not on_attention_scale(parse_method(name).score) or keys.get("scope") == "model"
+    ):
+        return True  # S11: a threshold compares attention-scale log-scores, head scope
     return model_scope_refused(name, keys)
 
 
@@ -379,7 +386,7 @@ def test_prob_kvzip_budget_is_global_by_default():
         assert method_name(parse_method(name, 0.5)) == name
     global_scores = [s for s in SCORE_NAMES if default("scope", s, "pps") == "global"]
     # the reconstruction scores and kvzip's surrogate (S11)
-    assert global_scores == ["kvzip", "h2o-rec", "min-rec", "kvzap"]
+    assert global_scores == ["kvzip", "kvzip-plus", "h2o-rec", "min-rec", "kvzap"]
 
 
 def test_prob_core_defaults_follow_the_score_and_the_sampler():
@@ -397,6 +404,7 @@ def test_prob_core_defaults_follow_the_score_and_the_sampler():
         "streaming_llm": 0.9,
         "uniform": 0.9,
         "kvzip": 0.5,
+        "kvzip-plus": 0.5,  # as kvzip's (not measured on its own)
         "h2o-rec": 0.5,
         "min-rec": 0.5,
         "kvzap": 0.5,
@@ -471,7 +479,7 @@ def test_prob_block_defaults_follow_the_score_and_the_sampler():
     (docs/evaluation.md, "Spans for `prob:kvzip`"); the with-replacement sampler has single
     entries; the canonical name drops the score's own defaults and keeps any other design."""
     blocks = {s: default("block", s, "pps") for s in SCORE_NAMES}
-    spans = ("kvzip", "kvzap")  # kvzap mirrors kvzip, whose scale it predicts (S11)
+    spans = ("kvzip", "kvzip-plus", "kvzap")  # kvzap mirrors kvzip (S11), kvzip-plus too
     assert blocks == {s: (32 if s in spans else 8) for s in SCORE_NAMES}
     units = {s: default("units", s, "pps") for s in SCORE_NAMES}
     assert units == {s: ("spans" if s in spans else "blocks") for s in SCORE_NAMES}

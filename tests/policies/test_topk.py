@@ -15,6 +15,7 @@ equal scores (max-pooling creates exact ties) go to the later position, the rule
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from fractions import Fraction
 
@@ -24,8 +25,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from probkv.budgets import pyramid_budgets
-from probkv.policies import LayerObservation, TopKPolicy, parse_method
+from probkv.policies import LayerObservation, TopKPolicy, method_name, parse_method
 from probkv.policies.base import fit_forced
+from probkv.policies.topk import threshold_ratio
 from probkv.scores import snapkv
 from probkv.scores.observation import observe_layer
 from probkv.scores.proposals import FLOOR
@@ -645,3 +647,96 @@ def test_global_budget_needs_one_prefix_length():
     policy = parse_method("kvzip", ratio=0.5)
     with pytest.raises(ValueError, match="same prefix, got lengths"):
         policy.select([a, b], num_layers=2)
+
+
+def distinct_observations(num_layers, hkv, t, seed, forced_prefix=0):
+    """Observations with distinct log-scores (no ties), a forced prefix."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(num_layers):
+        scores = -8.0 * torch.rand(hkv, t, generator=gen)
+        forced = torch.zeros(hkv, t, dtype=torch.bool)
+        forced[:, :forced_prefix] = True
+        out.append(LayerObservation(i, i, scores, forced, torch.full((hkv, t), 1.0 / t)))
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    num_layers=st.integers(1, 3),
+    hkv=st.integers(1, 3),
+    t=st.integers(2, 20),
+    kept_per_head=st.integers(1, 20),
+    forced_prefix=st.integers(0, 2),
+    seed=st.integers(0, 10_000),
+)
+def test_a_threshold_keeps_exactly_the_entries_above_it_with_kvzaps_global_topk(
+    num_layers, hkv, t, kept_per_head, forced_prefix, seed
+):
+    """S11 threshold mode, ``kvzap/threshold=x`` (one top-k over every head and layer): a
+    threshold between the (L H k)-th and the next score of the non-forced entries keeps exactly
+    the forced entries and those above it (k a whole number per head, so no rounding); the
+    ratio is that prompt's, ``1 - kept / entries``."""
+    kept_per_head = min(kept_per_head, t)
+    forced_prefix = min(forced_prefix, kept_per_head)
+    observations = distinct_observations(num_layers, hkv, t, seed, forced_prefix)
+    free = torch.cat([o.log_scores[~o.forced] for o in observations]).sort(descending=True).values
+    above = num_layers * hkv * (kept_per_head - forced_prefix)
+    if above == 0:
+        threshold = 1.0  # above every log-score
+    elif above >= free.numel():
+        threshold = float(free[-1]) - 1.0
+    else:
+        threshold = float((free[above - 1] + free[above]) / 2)
+    policy = parse_method(f"kvzap/threshold={threshold!r}", ratio=0.0)
+    assert not policy.layerwise and policy.threshold == threshold
+    assert parse_method(method_name(policy), ratio=0.0) == policy
+    expected_ratio = 1.0 - kept_per_head / t
+    assert threshold_ratio(observations, threshold) == pytest.approx(min(expected_ratio, 1 - 1 / t))
+    for obs, sel in zip(observations, policy.select(observations, num_layers=num_layers)):
+        for h, got in enumerate(kept_sets(sel)):
+            want = {i for i in range(t) if obs.forced[h, i] or obs.log_scores[h, i] > threshold}
+            assert got == want
+
+
+def test_a_threshold_adapts_the_ratio_per_prompt_and_ratio_is_the_least_compression():
+    """Two prompts, one threshold, two effective ratios; a given ``ratio`` above the
+    threshold's compresses more (the cap); uniform budgets take the threshold's ratio."""
+    easy = distinct_observations(2, 2, 40, seed=1)
+    hard = [
+        dataclasses.replace(o, log_scores=o.log_scores - 2.0)
+        for o in distinct_observations(2, 2, 40, seed=1)
+    ]
+    policy = TopKPolicy(
+        score="kvzap",
+        ratio=0.0,
+        layer_budgets="global",
+        head_budgets="ada",
+        alpha=0.0,
+        threshold=-3.0,
+    )
+    counts = []
+    for obs in (easy, hard):
+        kept = sum(int(s.lengths.sum()) for s in policy.select(obs, num_layers=2))
+        counts.append(kept)
+        assert kept == sum(int((o.log_scores > -3.0).sum()) for o in obs)
+    assert counts[0] > counts[1]  # the ratio adapts to the prompt's scores
+    capped = dataclasses.replace(policy, ratio=0.9)
+    assert sum(int(s.lengths.sum()) for s in capped.select(easy, num_layers=2)) == 4 * 4
+    r = threshold_ratio(easy, -3.0)
+    uniform = TopKPolicy(score="kvzap", ratio=0.0, threshold=-3.0)
+    at_r = TopKPolicy(score="kvzap", ratio=r)
+    for a, b in zip(uniform.select(easy, num_layers=2), at_r.select(easy, num_layers=2)):
+        assert kept_sets(a) == kept_sets(b)
+
+
+def test_threshold_refused_by_name_where_it_cannot_apply():
+    for method, word in (
+        ("topk:knorm/threshold=-1", "not logs of attention"),
+        ("topk:snapkv/scope=model/threshold=-1", "head scope only"),
+        ("topk:snapkv/threshold=nan", "finite log-score"),
+        ("topk:snapkv/threshold=inf", "finite log-score"),
+        ("prob:kvzap/threshold=-3", "a threshold is a top-k option"),
+    ):
+        with pytest.raises(ValueError, match=word):
+            parse_method(method)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from probkv._checks import check_positive_int
+from probkv.models.testing import tiny_scorer
 from probkv.scores import (
     SCORE_NAMES,
     SCORE_TABLE,
@@ -236,3 +237,48 @@ def test_observation_clamps_the_rows_parameter_the_row_declares(monkeypatch):
     keys = torch.randn(1, stats.width, 8)
     stats.observation([0], keys, keys, scale=0.3, layer_idx=0, rank=0)
     assert seen == [2]
+
+
+def test_a_fixed_score_keeps_each_entrys_score_from_when_it_entered():
+    """S10.5, S11: kvzap (a ``fixed`` row) under stages: the prompt's kept entries keep their
+    prefill scores, the tail's are scored once at ``enter`` from every head's entries, and after
+    ``keep`` each head's observation is the whole sequence's scores of the entries it holds
+    (the 4 sinks forced); ragged heads are read one at a time."""
+    gen = torch.Generator().manual_seed(1)
+    hkv, d, t, m = 2, 8, 10, 5
+    scorer = tiny_scorer(hkv, d)
+    params = {"surrogate": scorer, "sinks": 4}
+    key = torch.randn(hkv, t + m, d, generator=gen)
+    value = torch.randn(hkv, t + m, d, generator=gen)
+    whole = compute_scores("kvzap", None, key, value, scale=1.0, layer_idx=0, **params)
+    prompt = compute_scores(
+        "kvzap", None, key[:, :t], value[:, :t], scale=1.0, layer_idx=0, **params
+    )
+    kept = [torch.tensor([0, 1, 2, 3, 6, 8]), torch.tensor([0, 1, 2, 3, 5, 7, 9])]
+    stats = DecodeStatistics.from_prompt(
+        "kvzap",
+        params,
+        prompt_log_scores=prompt.log_scores,
+        last_query_attention=torch.rand(hkv, t, generator=gen),
+        kept=kept,
+        prompt_forced=prompt.forced,
+    )
+    query = torch.randn(hkv * 3, 1, d, generator=gen)
+    for _ in range(m):
+        stats.observe(torch.rand(hkv, 3, 1, max(stats.lengths) + 1, generator=gen), query)
+    stats.enter(key[:, t:], value[:, t:], first_position=t, layer_idx=0)
+    for h, idx in enumerate(kept):
+        held = torch.cat([idx, torch.arange(t, t + m)])
+        n = len(held)
+        obs = stats.observation(
+            [h], key[h : h + 1, :n], value[h : h + 1, :n], scale=1.0, layer_idx=0, rank=0
+        )
+        torch.testing.assert_close(obs.log_scores[0], whole.log_scores[h, held])
+        assert torch.equal(obs.forced[0], held < 4)
+    stats.keep([torch.tensor([0, 4, 7]), torch.tensor([1, 6, 11])])
+    obs = stats.observation([0, 1], key[:, :3], value[:, :3], scale=1.0, layer_idx=0, rank=0)
+    expected = torch.stack([whole.log_scores[0, [0, 6, t + 1]], whole.log_scores[1, [1, 9, t + 4]]])
+    torch.testing.assert_close(obs.log_scores, expected)
+    assert obs.forced.tolist() == [[True, False, False], [True, False, False]]
+    with pytest.raises(ValueError, match="pass its entries' scores"):
+        DecodeStatistics("kvzap", params, torch.zeros(0, hkv, 3), torch.zeros(hkv, 3), [3, 3], 3)

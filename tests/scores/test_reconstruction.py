@@ -58,7 +58,9 @@ def dense_reference(q, k, v, t, scale):
 def test_attention_and_statistics_equal_the_dense_reference(hkv, g, chunk):
     t, n = 13, 9
     q, k, v = make_chunk(t, n, hkv, g, seed=hkv * 10 + g)
-    out, mx, sums = reconstruction_attention(q, k, v, context_length=t, scale=0.4, chunk_size=chunk)
+    out, mx, sums, _ = reconstruction_attention(
+        q, k, v, context_length=t, scale=0.4, chunk_size=chunk
+    )
     ref_out, ref_max, ref_sums = dense_reference(q, k, v, t, 0.4)
     torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-12)
     torch.testing.assert_close(mx, ref_max, rtol=0, atol=1e-12)
@@ -70,7 +72,7 @@ def test_float32_output_is_sdpa_with_the_offset_causal_mask():
     """What the model computes in the pass: causal attention of the chunk after the cache."""
     t, n, hkv, g = 40, 17, 2, 2
     q, k, v = make_chunk(t, n, hkv, g, d=16, seed=3, dtype=torch.float32)
-    out, mx, _ = reconstruction_attention(q, k, v, context_length=t, scale=0.25)
+    out, mx, _, _ = reconstruction_attention(q, k, v, context_length=t, scale=0.25)
     mask = torch.arange(t + n)[None, :] <= (t + torch.arange(n))[:, None]
     expected = torch.nn.functional.scaled_dot_product_attention(
         q[None], k[None], v[None], attn_mask=mask, scale=0.25, enable_gqa=True
@@ -90,7 +92,7 @@ def test_statistics_are_probabilities(t, n, g, seed):
     """Per query head the context columns of a row sum to at most 1 (the rest is on the
     reconstruction tokens); the max over rows is at least the mean and at most 1."""
     q, k, v = make_chunk(t, n, 2, g, seed=seed)
-    _, mx, sums = reconstruction_attention(q, k, v, context_length=t, scale=0.5, chunk_size=4)
+    _, mx, sums, _ = reconstruction_attention(q, k, v, context_length=t, scale=0.5, chunk_size=4)
     assert (sums.sum(-1) <= n + 1e-9).all() and (sums >= 0).all()
     assert (mx <= 1 + 1e-12).all()
     mean_per_kv = (sums / n).view(2, g, t).amax(1)
@@ -102,7 +104,7 @@ def test_statistics_accumulate_over_chunks():
     stats = ReconstructionStats.empty(2, 4, t)
     parts = [make_chunk(t, n, 2, 2, seed=n) for n in (5, 3)]
     results = [reconstruction_attention(*p, context_length=t, scale=0.3) for p in parts]
-    for (q, _, _), (_, mx, sums) in zip(parts, results):
+    for (q, _, _), (_, mx, sums, _) in zip(parts, results):
         stats.add(mx, sums, q.shape[1])
     assert stats.rows == 8
     torch.testing.assert_close(
@@ -171,7 +173,7 @@ def test_bad_chunking_is_refused(kwargs, message):
 
 def observed_stats(t=12, hkv=2, g=2, *, context_start=0, chunk_tokens=2000, seed=0):
     q, k, v = make_chunk(t, 7, hkv, g, seed=seed)
-    _, mx, sums = reconstruction_attention(q, k, v, context_length=t, scale=0.5)
+    _, mx, sums, _ = reconstruction_attention(q, k, v, context_length=t, scale=0.5)
     stats = ReconstructionStats.empty(
         hkv, hkv * g, t, context_start=context_start, chunk_tokens=chunk_tokens
     )
@@ -252,3 +254,72 @@ def test_reconstruction_scores_make_proposals_with_full_support(name):
         mx = stats.max_attention[:, 6:].double()
         torch.testing.assert_close(pi[:, 6:], mx / mx.sum(-1, keepdim=True), rtol=1e-5, atol=0)
     assert math.isclose(float(pi.sum()), 2.0, rel_tol=1e-6)
+
+
+@pytest.mark.parametrize(("hkv", "g"), [(1, 1), (2, 3)])
+@pytest.mark.parametrize("chunk", [1, 4, None])
+def test_kvzip_plus_weights_equal_the_dense_reference(hkv, g, chunk):
+    """S11 KVzip+: ``max_{j, q in G(h)} r_j c^q_i p_j^q(i)`` over row chunks equals a plain
+    loop over the dense probabilities; the unweighted statistics do not change."""
+    t, n = 11, 7
+    q, k, v = make_chunk(t, n, hkv, g, seed=3 * hkv + g)
+    gen = torch.Generator().manual_seed(1)
+    rows = torch.rand(n, generator=gen, dtype=F64) + 0.1
+    cols = torch.rand(hkv * g, t, generator=gen, dtype=F64) + 0.1
+    _, ref_max, ref_sums = dense_reference(q, k, v, t, 0.4)
+    _, probs = _dense_probabilities(q, k, t, 0.4)
+    want = torch.zeros(hkv, t, dtype=F64)
+    for h in range(hkv * g):
+        for j in range(n):
+            want[h // g] = torch.maximum(want[h // g], rows[j] * cols[h] * probs[h, j])
+    _, mx, sums, plus = reconstruction_attention(
+        q,
+        k,
+        v,
+        context_length=t,
+        scale=0.4,
+        chunk_size=chunk,
+        row_weights=rows,
+        column_weights=cols,
+    )
+    torch.testing.assert_close(plus, want)
+    torch.testing.assert_close(mx, ref_max)
+    torch.testing.assert_close(sums, ref_sums)
+    with pytest.raises(ValueError, match="together or not at all"):
+        reconstruction_attention(q, k, v, context_length=t, scale=0.4, row_weights=rows)
+    with pytest.raises(ValueError, match="row_weights must be"):
+        reconstruction_attention(
+            q, k, v, context_length=t, scale=0.4, row_weights=rows[:-1], column_weights=cols
+        )
+
+
+def _dense_probabilities(q, k, t, scale):
+    """``[Hq, n, t]`` the context columns of each row's softmax (as ``dense_reference``)."""
+    hq, n, _ = q.shape
+    g = hq // k.shape[0]
+    probs = torch.zeros(hq, n, t, dtype=F64)
+    for h in range(hq):
+        for j in range(n):
+            p = torch.softmax(scale * k[h // g, : t + j + 1].double() @ q[h, j].double(), 0)
+            probs[h, j] = p[:t]
+    return None, probs
+
+
+def test_kvzip_plus_reads_the_weighted_max_and_is_refused_without_it():
+    stats = ReconstructionStats.empty(2, 4, 9, context_start=2)
+    gen = torch.Generator().manual_seed(0)
+    mx = torch.rand(2, 9, generator=gen)
+    weighted = torch.rand(2, 9, generator=gen) * 0.01
+    stats.add(mx, torch.rand(4, 9, generator=gen), 3)
+    with pytest.raises(ValueError, match="weighted by"):
+        compute_scores(
+            "kvzip-plus", None, torch.zeros(2, 9, 4), None, scale=1.0, reconstruction=stats
+        )
+    stats.add(mx * 0.5, torch.rand(4, 9, generator=gen), 3, weighted)
+    got = compute_scores(
+        "kvzip-plus", None, torch.zeros(2, 9, 4), None, scale=1.0, reconstruction=stats
+    )
+    f = 4  # max(sinks, context_start)
+    torch.testing.assert_close(got.log_scores[:, f:], torch.log(weighted[:, f:]))
+    assert got.forced[:, :f].all() and not got.forced[:, f:].any()
+    assert (got.log_scores[:, :f] == FORCED_LOG_SCORE).all()

@@ -434,7 +434,7 @@ def test_validate_params_and_param_names():
 def test_table_declares_scale_source_and_defaults():
     """The facts the rest of probkv reads from the table (Ada-KV's scale, S6; the policies'
     defaults; the reconstruction scores of S10.1)."""
-    reconstruction = {"kvzip", "h2o-rec", "min-rec"}
+    reconstruction = {"kvzip", "kvzip-plus", "h2o-rec", "min-rec"}
     attention = {name for name in SCORE_NAMES if on_attention_scale(name)}
     surrogates = {"kvzap"}  # S11: predicts kvzip's scale
     expected = {"h2o", "h2o-h", "min", "min-h", "snapkv", "tova", *reconstruction, *surrogates}
@@ -522,3 +522,39 @@ def test_scores_read_only_their_declared_last_rows(name, t):
     ref = compute_scores(name, q, k, v, scale=0.3, column_sums=sums, layer_idx=0, **params)
     assert torch.equal(got.log_scores, ref.log_scores)
     assert rows == (4 if name == "snapkv" else 1)
+
+
+@pytest.mark.parametrize("name", [n for n in SCORE_NAMES if SCORE_TABLE[n].fixed])
+@pytest.mark.parametrize("start", [0, 2, 5, 17])
+def test_fixed_scores_read_only_their_own_position(name, start):
+    """``fixed`` is true (what a decode budget relies on, S10.5): the entries from ``start`` on,
+    scored alone with ``sinks`` counted from ``start`` (``DecodeStatistics.enter``), get the
+    scores and forced flags the whole sequence gives them; nothing later changes them."""
+    t = 24
+    _, k, v = make_layer(t, 2, 2, seed=start)
+    params = {"surrogate": tiny_scorer(2, 8, 6)} if name == "kvzap" else {}
+    whole = compute_scores(name, None, k, v, scale=0.3, layer_idx=0, **params)
+    for end in (start + 1, t):
+        part_params = dict(params)
+        if "sinks" in SCORE_TABLE[name].params:
+            part_params["sinks"] = max(0, default_params(name)["sinks"] - start)
+        part = compute_scores(
+            name, None, k[:, start:end], v[:, start:end], scale=0.3, layer_idx=0, **part_params
+        )
+        torch.testing.assert_close(part.log_scores, whole.log_scores[:, start:end])
+        forced = torch.zeros_like(part.log_scores, dtype=torch.bool)
+        whole_forced = torch.zeros_like(whole.log_scores, dtype=torch.bool)
+        forced = forced if part.forced is None else part.forced
+        whole_forced = whole_forced if whole.forced is None else whole.forced
+        assert torch.equal(forced, whole_forced[:, start:end])
+
+
+def test_a_fixed_score_reads_no_query_rows():
+    ScoreSpec(knorm, ("key",), fixed=True)  # allowed: its own key only
+    with pytest.raises(ValueError, match="a fixed score reads no query rows"):
+        ScoreSpec(
+            h2o,
+            ("query", "key", "scale", "column_sums", "chunk_size"),
+            column_sums="uniform",
+            fixed=True,
+        )

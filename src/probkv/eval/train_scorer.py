@@ -1,7 +1,8 @@
 """Training a kvzap scorer (S11): KVzip's reconstruction score as the teacher, a ridge fit.
 
 ``train_scorer(model, tokenizer, ...)`` runs, for each training context, one ``observe``
-with the ``kvzip`` score (the prefill, then the reconstruction pass, S10.1), and reads in
+with the teacher's score (``kvzip``, or ``kvzip-plus``: KVzap's KVzip+; the prefill, then
+the reconstruction pass, S10.1), and reads in
 the same prefill every evicting layer's keys and values (from the cache) and its attention
 input hidden states (a forward pre-hook on the attention module). The teacher's log-scores
 of the free entries (not the forced sinks or template opening) are the targets, one per KV
@@ -47,6 +48,9 @@ CONTEXT_KINDS: tuple[str, ...] = ("prose", *TASK_NAMES)
 RATIOS = (0.5, 0.75, 0.9)
 ALPHAS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)
 TEACHER = "kvzip"
+# The teachers a scorer may be trained on (S11): KVzip's score, or KVzip+ (KVzap's), KVzip's
+# attention weighted by ||W_o v_i|| / ||h_u||.
+TEACHERS: tuple[str, ...] = ("kvzip", "kvzip-plus")
 
 
 @dataclass(frozen=True)
@@ -129,10 +133,10 @@ def _features(cache, hidden, inv_freq) -> dict[int, dict[str, torch.Tensor]]:
     return out
 
 
-def _teacher(model, tokenizer, ids: list[int], recorder, inv_freq, rp):
+def _teacher(model, ids: list[int], recorder, inv_freq, rp, teacher: str):
     """``(teacher [L, Hkv, t] float32, free_start, features)`` of one context."""
     recorder.arm()
-    cache = observe(model, torch.tensor([ids]), TEACHER, repeat_prompt=rp)
+    cache = observe(model, torch.tensor([ids]), teacher, repeat_prompt=rp)
     recorder.armed = False
     layers = [cache.layers[i] for i in cache.evicting_layers]
     scores = torch.stack([layer.observation.log_scores.cpu() for layer in layers])
@@ -149,26 +153,34 @@ def _features_only(model, ids: list[int], recorder, inv_freq):
     return _features(cache, recorder.hidden, inv_freq)
 
 
-def collect(model, tokenizer, contexts, work_dir: Path, *, progress: bool = True):
+def collect(
+    model, tokenizer, contexts, work_dir: Path, *, progress: bool = True, teacher: str = TEACHER
+):
     """Yield ``(scores [L, Hkv, t], free_start, features)`` per context, the teacher read
-    from ``work_dir`` when a previous run saved it (module docstring)."""
+    from ``work_dir`` when a previous run saved it with the same teacher (module docstring)."""
     work_dir.mkdir(parents=True, exist_ok=True)
     recorder = _HiddenRecorder(model)
     inv_freq = _inv_freq(model)
     rp = repeat_prompt(tokenizer)
     try:
-        for ctx in tqdm(contexts, desc="teacher (kvzip)", disable=not progress):
+        for ctx in tqdm(contexts, desc=f"teacher ({teacher})", disable=not progress):
             path = work_dir / f"{ctx.id}.pt"
             if path.exists():
                 saved = torch.load(path, weights_only=True)
                 if saved["ids"] != ctx.ids:
                     raise ValueError(f"{path}: token ids differ from context {ctx.id!r}")
+                if saved.get("teacher", TEACHER) != teacher:
+                    raise ValueError(
+                        f"{path}: saved for teacher {saved.get('teacher', TEACHER)!r}, not "
+                        f"{teacher!r}: use another --work folder"
+                    )
                 feats = _features_only(model, ctx.ids, recorder, inv_freq)
                 yield saved["scores"], saved["free_start"], feats
                 continue
-            scores, free_start, feats = _teacher(model, tokenizer, ctx.ids, recorder, inv_freq, rp)
+            scores, free_start, feats = _teacher(model, ctx.ids, recorder, inv_freq, rp, teacher)
             tmp = path.with_suffix(".tmp")
-            torch.save({"ids": ctx.ids, "scores": scores, "free_start": free_start}, tmp)
+            saved = {"ids": ctx.ids, "scores": scores, "free_start": free_start, "teacher": teacher}
+            torch.save(saved, tmp)
             tmp.replace(path)
             yield scores, free_start, feats
     finally:
@@ -228,12 +240,14 @@ def train_scorer(
     length: int = 2048,
     features: str = "kv",
     progress: bool = True,
+    teacher: str = TEACHER,
 ) -> sg.SurrogateScorer:
     """Train the kvzap scorer of a prepared ``model`` (module docstring). ``name``: the
     model's name recorded in the file; ``contexts`` in all, the last ``heldout`` (>= 2) not
     fitted on; ``length`` tokens each; ``features``: the kind the scorer uses (every kind is
     measured, ``metrics["by_features"]``)."""
     sg.check_choice(features, sg.ATTENTION_FEATURE_KINDS, "features")
+    sg.check_choice(teacher, TEACHERS, "teacher")
     sg.check_positive_int(length, "length")
     if not 2 <= heldout < contexts:
         raise ValueError(f"heldout must be in [2, contexts={contexts}), got {heldout}")
@@ -242,7 +256,8 @@ def train_scorer(
     stats: dict = {}
     held: list = []
     layers: list[int] = []
-    for index, row in enumerate(collect(model, tokenizer, ctxs, Path(work_dir), progress=progress)):
+    rows = collect(model, tokenizer, ctxs, Path(work_dir), progress=progress, teacher=teacher)
+    for index, row in enumerate(rows):
         layers = sorted(row[2])
         if index < contexts - heldout:
             accumulate(stats, row, layers)
@@ -262,7 +277,7 @@ def train_scorer(
         chosen[kind] = best[2]
     recipe = {
         "version": sg.RECIPE_VERSION,
-        "teacher": TEACHER,
+        "teacher": teacher,
         "contexts": contexts,
         "heldout": heldout,
         "length": length,

@@ -41,6 +41,13 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         "--heldout", type=positive_int, default=8, help="held-out contexts, >= 2 (default 8)"
     )
     p.add_argument("--length", type=positive_int, default=2048, help="tokens each (default 2048)")
+    p.add_argument(
+        "--teacher",
+        choices=("kvzip", "kvzip-plus"),
+        default="kvzip",
+        help="the score fitted (default kvzip; kvzip-plus: KVzap's KVzip+, the attention "
+        "weighted by ||W_o v|| / ||h||)",
+    )
     add_dtype_argument(p)
     p.set_defaults(handler=run_train_scorer)
 
@@ -67,6 +74,7 @@ def run_train_scorer(args: argparse.Namespace) -> int:
         contexts=args.contexts,
         heldout=args.heldout,
         length=args.length,
+        teacher=args.teacher,
     )
     digest = save_scorer(scorer, out)
     m = scorer.metrics

@@ -9,7 +9,9 @@ layer to at most ``B + K`` entries for any number of generated tokens:
   after the attention of the step that brought it there, the policy evicts that layer's
   entries (kept prefix, then the tail) down to ``B``, on the statistics accumulated online
   since (``probkv.scores.decode_statistics``: column sums of decode rows for H2O, ``-h`` harmonic
-  weights, the latest rows for TOVA / SnapKV's window / ``min``, positions for StreamingLLM).
+  weights, the latest rows for TOVA / SnapKV's window / ``min``, positions for StreamingLLM,
+  and for a score fixed per entry, ``kvzap``, each entry's score from when it entered: the
+  tail's are computed at the stage from every KV head's entries, which the dense tail holds).
 
 A sampling stage multiplies the weights of what it keeps by ``1 / P`` (``EvictingLayer.evict``
 adds the log-weights), so the product over stages is an unbiased Horvitz-Thompson weight for
@@ -26,8 +28,8 @@ head, a pps stage at most ``B + K - 1`` (its blocks hold at most ``K`` entries, 
 keeps up to ``block - 1`` more or fewer than ``B``).
 
 Refused by name, since they cannot hold it: Ada-KV head budgets, PyramidKV / global layer
-budgets and the global scope (their budgets move between heads or layers, while a decode
-budget holds every head to ``B``), scores read from a reconstruction pass (KVzip, S10.1: a
+budgets, the global scope and a threshold (their budgets move between heads or layers, or
+with the prompt, while a decode budget holds every head to ``B``), scores read from a reconstruction pass (KVzip, S10.1: a
 second model run over the context, which a decode step does not have), spans (a random kept
 count, S10.3), the with-replacement sampler (``B`` distinct entries in expectation only, S3)
 and ``full`` (it keeps everything).
@@ -77,11 +79,14 @@ class DecodeBudget:
             value = getattr(policy, name, allowed)
             if value != allowed:
                 refused.append(f"{name}={value!r}")
+        if getattr(policy, "threshold", None) is not None:
+            refused.append(f"threshold={policy.threshold!r} (its kept count adapts per prompt)")
         if getattr(policy, "scope", "head") != "head":
             refused.append(f"scope={policy.scope!r}")
         if scores.needs_reconstruction(policy.score):
             refused.append(f"score={policy.score!r} (read from a reconstruction pass, S10.1)")
-        if scores.score_spec(policy.score).cross_head:
+        spec = scores.score_spec(policy.score)
+        if spec.cross_head and not spec.fixed:
             refused.append(
                 f"score {policy.score!r} under a decode budget (each head's score reads every KV "
                 "head at one position, which a stage's per-head sets break)"
@@ -138,6 +143,7 @@ def start_decode(layer, observation, selection: RaggedSelection) -> None:
         last_query_attention=observation.last_query_attention,
         kept=[selection.head(h)[0] for h in range(selection.num_heads)],
         values=layer.tail_values[0],  # min-h: value norms divided out (its score row)
+        prompt_forced=observation.forced,  # a fixed score (kvzap): carried as they are
     )
 
 
@@ -229,6 +235,13 @@ def next_stage(layer, scale: float) -> Stage:
     state: LayerDecodeState = layer.decode_state
     budget: DecodeBudget = layer.decode_budget
     state.stages += 1
+    # a fixed score (kvzap): the tail's entries scored once, from every head's (S11)
+    state.statistics.enter(
+        layer.tail_keys[0],
+        layer.tail_values[0],
+        first_position=layer.prefix_length,
+        layer_idx=layer.layer_idx,
+    )
     groups = []
     for heads, keys, values in _stage_groups(layer):
         n = keys.shape[1]

@@ -124,6 +124,11 @@ class LayerScoring:
         self.scale: float | None = None
         self.keys: torch.Tensor | None = None  # [1, Hkv, n, d], the current chunk's
         self.values: torch.Tensor | None = None
+        # KVzip+ (S11): the layer's o_proj weight [hidden, Hq d_v], the chunk rows' 1 / ||h||
+        # (set by a pre-hook on the attention module), the entries' ||W_o^q v_i|| [Hq, t]
+        self.o_weight: torch.Tensor | None = None
+        self.row_weights: torch.Tensor | None = None
+        self.column_weights: torch.Tensor | None = None
 
     def attend(self, layer: EvictingLayer, query: torch.Tensor, scale: float) -> torch.Tensor:
         """The chunk's attention output ``[Hq, n, d_v]`` over the ``t`` cached entries and
@@ -134,8 +139,20 @@ class LayerScoring:
         keys = torch.cat([layer.tail_keys[0], self.keys[0]], dim=1)
         values = torch.cat([layer.tail_values[0], self.values[0]], dim=1)
         self.keys = self.values = None
-        out, max_attention, sum_attention = reconstruction_attention(
-            query, keys, values, context_length=t, scale=scale
+        row_weights = column_weights = None
+        if self.o_weight is not None:
+            if self.column_weights is None:
+                self.column_weights = output_norms(self.o_weight, layer.tail_values[0])
+            row_weights, column_weights = self.row_weights, self.column_weights
+            self.row_weights = None
+        out, max_attention, sum_attention, max_weighted = reconstruction_attention(
+            query,
+            keys,
+            values,
+            context_length=t,
+            scale=scale,
+            row_weights=row_weights,
+            column_weights=column_weights,
         )
         if self.stats is None:
             self.stats = ReconstructionStats.empty(
@@ -147,7 +164,7 @@ class LayerScoring:
                 device=query.device,
             )
             self.scale = scale
-        self.stats.add(max_attention, sum_attention, query.shape[1])
+        self.stats.add(max_attention, sum_attention, query.shape[1], max_weighted)
         n = query.shape[1]
         first = (-self.rows_seen) % self.reference_every  # rows at global index 0, k, 2k, ...
         if first < n:
@@ -199,8 +216,15 @@ def reconstruct(
     # spread over the pass
     every = reference_stride(sum(len(c.input_ids) for c in chunks))
     scorings = [LayerScoring(start, chunk_tokens, every) for _ in layers]
-    for chunk in chunks:
-        _run_chunk(model, cache, layers, scorings, chunk.input_ids, context_ids.device)
+    hooks = []
+    if score_fns.score_spec(cache.policy.score).output_weighted:  # KVzip+ (S11)
+        hooks = _weigh_by_output(model, layers, scorings)
+    try:
+        for chunk in chunks:
+            _run_chunk(model, cache, layers, scorings, chunk.input_ids, context_ids.device)
+    finally:
+        for hook in hooks:
+            hook.remove()
     for layer, scoring in zip(layers, scorings):
         name = cache.policy.score
         scores = score_fns.compute_scores(
@@ -248,3 +272,41 @@ def _run_chunk(model, cache, layers, scorings, input_ids, device) -> None:
             f"layers {missed} were not scored: the model did not run probkv's attention "
             "function (call probkv.hf.prepare_model(model))"
         )
+
+
+def output_norms(o_weight: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``||W_o^q v_i||`` ``[Hq, t]`` float32 (KVzip+, S11): ``o_weight [hidden, Hq d_v]`` (the
+    attention's output projection), ``values [Hkv, t, d_v]``; query head ``q`` reads KV head
+    ``q // g``."""
+    hkv, t, dv = values.shape
+    hq = o_weight.shape[1] // dv
+    per_head = o_weight.float().view(-1, hq, dv)  # [hidden, Hq, d_v]
+    out = torch.empty(hq, t, dtype=torch.float32, device=values.device)
+    for q in range(hq):
+        v = values[q // (hq // hkv)].float()
+        out[q] = torch.linalg.vector_norm(v @ per_head[:, q].T.to(v.device), dim=-1)
+    return out
+
+
+def _weigh_by_output(model, layers, scorings) -> list:
+    """KVzip+'s weights (S11): each evicting layer's scoring gets its attention module's output
+    projection, and a forward pre-hook that records ``1 / ||h_u||`` of the chunk's rows (the
+    attention input, as KVzap's reference reads it). Returns the hooks to remove."""
+    modules = {getattr(m, "layer_idx", None): m for m in model.modules() if hasattr(m, "o_proj")}
+    hooks = []
+    for layer, scoring in zip(layers, scorings):
+        module = modules.get(layer.layer_idx)
+        if module is None:
+            raise ValueError(
+                f"score 'kvzip-plus' needs layer {layer.layer_idx}'s attention output projection "
+                "(an attention module with o_proj and layer_idx); this model has none"
+            )
+        scoring.o_weight = module.o_proj.weight.detach()
+
+        def hook(mod, args, kwargs, scoring=scoring):
+            h = kwargs.get("hidden_states", args[0] if args else None)
+            norms = torch.linalg.vector_norm(h[0].float(), dim=-1)
+            scoring.row_weights = 1.0 / norms.clamp_min(1e-12)
+
+        hooks.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+    return hooks

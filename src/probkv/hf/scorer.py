@@ -79,8 +79,8 @@ def scorer_for_config(config) -> SurrogateScorer:
 
 def with_scorer(policy, config):
     """``policy`` with the model's kvzap scorer in its ``score_params`` (module docstring);
-    other scores unchanged. (A decode budget refuses kvzap, ``ScoreSpec.cross_head``: its
-    scorer reads every KV head at one position; one per head would fit S10.5.)"""
+    other scores unchanged. (Under a decode budget each entry's kvzap score is computed once,
+    when it enters the cache, from every KV head's entries of its position: ``ScoreSpec.fixed``.)"""
     if policy.score != SCORE:
         return policy
     given = policy.score_params.get("surrogate")

@@ -57,7 +57,7 @@ SCOPES = ("head", "global", "model")
 DEFAULTS: dict[str, dict[str | tuple[str, str], object]] = {
     "scope": {
         "*": "head",
-        **dict.fromkeys(("kvzip", "h2o-rec", "min-rec", "kvzap"), "global"),
+        **dict.fromkeys(("kvzip", "kvzip-plus", "h2o-rec", "min-rec", "kvzap"), "global"),
     },
     "aggregate": {"*": "sum"},  # scope="model" only (S11): a block's score over heads
     "seed": {"*": 0},
@@ -66,13 +66,14 @@ DEFAULTS: dict[str, dict[str | tuple[str, str], object]] = {
     "core": {
         "*": 0.0,
         **dict.fromkeys(
-            ("h2o", "h2o-h", "min", "min-h", "kvzip", "h2o-rec", "min-rec", "kvzap"), 0.5
+            ("h2o", "h2o-h", "min", "min-h", "kvzip", "kvzip-plus", "h2o-rec", "min-rec", "kvzap"),
+            0.5,
         ),
         **dict.fromkeys(("tova", "streaming_llm", "uniform"), 0.9),
     },
-    "block": {"*": 8, "kvzip": 32, "kvzap": 32},
+    "block": {"*": 8, "kvzip": 32, "kvzip-plus": 32, "kvzap": 32},
     "order": {"*": "random"},
-    "units": {"*": "blocks", "kvzip": "spans", "kvzap": "spans"},
+    "units": {"*": "blocks", "kvzip": "spans", "kvzip-plus": "spans", "kvzap": "spans"},
     "correct": {"*": True},
     "tau": {"*": 1.0, ("pps", "streaming_llm"): 2.0},
     "calibrate": {"*": math.inf},

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -97,6 +98,14 @@ class ProbabilisticPolicy(EvictionPolicy):
     # Option whose value decides other options' defaults: method names compare those options
     # with the defaults of a policy with the same sampler.
     DEFAULTS_DEPEND_ON = ("sampler", "scope")
+    # Options of other policies that this one refuses, and why (the registry says it too).
+    WHY_NOT: ClassVar[Mapping[str, str]] = {
+        "threshold": (
+            "a threshold is a top-k option (kvzap/threshold=..., topk:SCORE/threshold=...): it "
+            "keeps every entry above it, while a prob: design draws a sample whose size the "
+            "ratio fixes and weighs it by 1 / P; pass a ratio instead"
+        )
+    }
 
     def __init__(
         self,
@@ -114,6 +123,8 @@ class ProbabilisticPolicy(EvictionPolicy):
         put = _setter(self)
         put(score=score, ratio=ratio, score_params={} if score_params is None else score_params)
         validate_common(self)
+        for key in set(options) & set(self.WHY_NOT):
+            raise ValueError(f"option {key!r} of a prob: method: {self.WHY_NOT[key]}")
         unknown = sorted(set(options) - set(self.option_names()))
         if unknown:
             raise ValueError(

@@ -182,6 +182,8 @@ def parse_method(spec: str, ratio: float = 0.5) -> EvictionPolicy:
             kwargs[key] = value
         elif key in param_names:
             score_params[key] = value
+        elif key in getattr(cls, "WHY_NOT", {}):
+            raise ValueError(f"option {key!r} of method {name!r}: {cls.WHY_NOT[key]}")
         else:
             allowed = sorted(fields | set(param_names))
             listed = ", ".join(allowed) if allowed else "none"

@@ -7,6 +7,7 @@ different fields (see ``probkv.policies.registry`` and docs/methods.md).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from probkv.policies.base import (
     check_fraction,
     fit_forced,
     keep_everything,
+    real_number,
     recent_count,
     validate_common,
     with_recent,
@@ -65,6 +67,18 @@ class TopKPolicy(EvictionPolicy):
       or ``"max"``) of each head's softmax mass of its (pooled) log-scores in the block
       (``probkv.sampling.model_blocks``); uniform layer and head budgets only. Not layerwise.
       ``block`` and ``aggregate`` are ``None`` with ``scope="head"``.
+    - ``threshold`` (S11, KVzap's threshold mode): keep what scores above ``threshold`` instead
+      of a fixed share, so the compression adapts per prompt. The observed layers' entries
+      scoring above it (and the forced ones) give the prompt's ratio
+      ``r(threshold) = 1 - kept / entries`` over every KV head of every layer
+      (``threshold_ratio``); the policy then runs at ``max(ratio, r(threshold))``: ``ratio`` is
+      the least compression (0: the threshold alone). With ``layer_budgets="global"`` and
+      ``head_budgets="ada"``, ``alpha = 0`` (``kvzap``, ``kvzip``: one top-k over every head),
+      keeps exactly the entries above the threshold (its count is the pooled budget); with
+      uniform budgets the threshold sets the ratio and each head
+      keeps its top share. Scores on the attention scale only (a threshold compares
+      log-scores across heads), head scope; not layerwise (every layer is counted first). The
+      effective ratio is in the cache's reports (S3).
     """
 
     layer_budgets: str = "uniform"
@@ -76,9 +90,11 @@ class TopKPolicy(EvictionPolicy):
     scope: str = "head"
     block: int | None = None  # None: model_wide.DEFAULT_BLOCK with scope="model"
     aggregate: str | None = None  # None: model_wide.DEFAULT_AGGREGATE with scope="model"
+    threshold: float | None = None  # keep log-scores above it: the ratio adapts per prompt
 
     def __post_init__(self) -> None:
         validate_common(self)
+        self._check_threshold()
         check_choice(self.layer_budgets, LAYER_BUDGETS, "layer_budgets")
         check_choice(self.head_budgets, HEAD_BUDGETS, "head_budgets")
         check_choice(self.scope, SCOPES, "scope")
@@ -131,9 +147,38 @@ class TopKPolicy(EvictionPolicy):
             raise ValueError(f"beta (PyramidKV) must be >= 1 (1 = uniform layers), got {beta!r}")
         object.__setattr__(self, "beta", float(beta))
 
+    def _check_threshold(self) -> None:
+        """``threshold``: a finite number, on an attention-scale score, head scope."""
+        if self.threshold is None:
+            return
+        value = real_number(self.threshold)
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+        ):
+            raise ValueError(f"threshold must be a finite log-score (e.g. -6.5), got {value!r}")
+        if not scores.on_attention_scale(self.score):
+            raise ValueError(
+                f"threshold with score {self.score!r}: its log-scores are not logs of attention "
+                "probabilities (S6), so one threshold means nothing across heads; use a score on "
+                "the attention scale (kvzap, kvzip, h2o, snapkv, tova, ...)"
+            )
+        if self.scope != "head":
+            raise ValueError(
+                f"threshold with scope={self.scope!r}: a threshold keeps entries by their own "
+                "scores (head scope only)"
+            )
+        object.__setattr__(self, "threshold", float(value))
+
     @property
     def layerwise(self) -> bool:
-        return self.layer_budgets != "global" and self.scope == "head" and super().layerwise
+        return (
+            self.layer_budgets != "global"
+            and self.scope == "head"
+            and self.threshold is None
+            and super().layerwise
+        )
 
     def layer_budget(self, obs: LayerObservation, num_layers: int) -> int:
         """Kept entries per head of this layer (before the head allocation)."""
@@ -147,9 +192,23 @@ class TopKPolicy(EvictionPolicy):
             obs.rank
         ]
 
+    @property
+    def _one_competition(self) -> bool:
+        """Every head of every layer competes for one pooled budget (``_select_global``)."""
+        return self.layer_budgets == "global" and self.head_budgets == "ada"
+
     def select(
         self, observations: Sequence[LayerObservation], *, num_layers: int
     ) -> list[RaggedSelection]:
+        if self.threshold is not None:  # the prompt's ratio, then the policy at that ratio
+            ratio = threshold_ratio(observations, self.threshold)
+            policy = dataclasses.replace(self, ratio=max(self.ratio, ratio), threshold=None)
+            kept, entries = threshold_count(observations, self.threshold)
+            exact = ratio == 1.0 - kept / entries  # not capped at one entry per head
+            if ratio > self.ratio and exact and policy._one_competition:
+                # exactly the entries above the threshold: their count is the pooled budget
+                return policy._select_global(observations, total=kept)
+            return policy.select(observations, num_layers=num_layers)
         if self.layer_budgets == "global" and self.head_budgets == "ada" and self.ratio > 0:
             return self._select_global(observations)
         if self.scope == model_wide.SCOPE and self.ratio > 0:
@@ -181,10 +240,14 @@ class TopKPolicy(EvictionPolicy):
             out.append(budgets.topk_per_head(log_scores, head_budgets, forced=forced))
         return out
 
-    def _select_global(self, observations: Sequence[LayerObservation]) -> list[RaggedSelection]:
+    def _select_global(
+        self, observations: Sequence[LayerObservation], total: int | None = None
+    ) -> list[RaggedSelection]:
         """One budget for every KV head of every layer (``layer_budgets="global"``): Ada-KV's
         allocation over the stacked heads (ties: lower layer, lower head, later position),
-        then each head's top-``B_h`` (S6; KVzip's global top-k at ``alpha = 0``, S10.1)."""
+        then each head's top-``B_h`` (S6; KVzip's global top-k at ``alpha = 0``, S10.1).
+        ``total``: the pooled budget (a threshold's count), else the ratio's per-head budget
+        times the heads."""
         lengths = {obs.length for obs in observations}
         if len(lengths) != 1:
             raise ValueError(
@@ -206,7 +269,7 @@ class TopKPolicy(EvictionPolicy):
         stacked = torch.cat(log_scores)
         head_budgets = budgets.adakv_allocation(
             stacked,
-            per_head * stacked.shape[0],
+            per_head * stacked.shape[0] if total is None else total,
             alpha=self.alpha,
             forced=torch.cat([f.to(stacked.device) for f in forced]),
             normalize=not scores.on_attention_scale(self.score),
@@ -235,3 +298,27 @@ class TopKPolicy(EvictionPolicy):
             return model_blocks.top_blocks(mass, forced, k), None
 
         return model_wide.select(observations, pis, self, choose=choose)
+
+
+def threshold_count(observations: Sequence[LayerObservation], threshold: float) -> tuple[int, int]:
+    """``(kept, entries)``: the entries whose log-score is above ``threshold`` or forced, and
+    all entries, over every KV head of every layer."""
+    kept = 0
+    entries = 0
+    for obs in observations:
+        above = obs.log_scores > threshold
+        if obs.forced is not None:
+            above |= obs.forced.to(above.device)
+        kept += int(above.sum())
+        entries += above.numel()
+    return kept, entries
+
+
+def threshold_ratio(observations: Sequence[LayerObservation], threshold: float) -> float:
+    """The compression ratio a threshold gives these layers (S1, S11): ``1 - kept / entries``
+    (``threshold_count``), at most ``1 - 1 / t`` (every head keeps at least one entry)."""
+    kept, entries = threshold_count(observations, threshold)
+    if entries == 0:
+        return 0.0
+    longest = max(obs.length for obs in observations)
+    return min(1.0 - kept / entries, 1.0 - 1.0 / longest)

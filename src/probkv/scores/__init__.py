@@ -43,6 +43,7 @@ from probkv.scores.reconstruction import (
     DEFAULT_CHUNK_TOKENS,
     h2o_reconstruction,
     kvzip,
+    kvzip_plus,
     min_reconstruction,
 )
 from probkv.scores.surrogate import check_scorer, kvzap
@@ -154,7 +155,15 @@ class ScoreSpec:
     (``probkv.scores.decode_statistics.DecodeStatistics.from_prompt``). Needs the ``value`` input.
     ``cross_head``: a head's score of an entry reads the other KV heads' entries at the same
     position (``kvzap``'s scorer): true at prefill, where every head holds every position, not
-    after a decode stage, where each head holds its own entries, so a decode budget refuses it.
+    after a decode stage, where each head holds its own entries. ``fixed``: an entry's score
+    reads only its own position's inputs (keys and values of that position, its index for
+    ``sinks``), never later rows, so it never changes once the entry is in the cache; a decode
+    budget computes it once, when the entry enters (every KV head's entry of that position is
+    there then), and carries it through its stages
+    (``probkv.scores.decode_statistics.DecodeStatistics.enter``). A decode budget refuses a
+    ``cross_head`` score that is not ``fixed``. ``output_weighted``: a reconstruction score
+    that reads the pass weighted by ``||W_o^q v_i|| / ||h_u||`` (KVzip+, S11): the integration
+    weighs the pass for it (``ReconstructionStats.max_weighted``).
     """
 
     function: Callable[..., Scores]
@@ -166,6 +175,8 @@ class ScoreSpec:
     last_rows: int | str = 1
     value_norm: bool = False
     cross_head: bool = False
+    fixed: bool = False
+    output_weighted: bool = False
 
     def __post_init__(self) -> None:
         # A row that cannot be called as declared fails at import, not at the first prefill.
@@ -178,6 +189,10 @@ class ScoreSpec:
         check_choice(self.source, SCORE_SOURCES, "source")
         if self.value_norm and "value" not in self.inputs:
             raise ValueError(f"{self.function.__name__}: value_norm needs the value input")
+        if self.output_weighted and self.source != "reconstruction":
+            raise ValueError(f"{self.function.__name__}: output_weighted reads a reconstruction")
+        if self.fixed and ({"query", "column_sums", "reconstruction"} & set(self.inputs)):
+            raise ValueError(f"{self.function.__name__}: a fixed score reads no query rows")
         if isinstance(self.last_rows, str):
             check_choice(self.last_rows, self.params, "last_rows")
         else:
@@ -261,6 +276,15 @@ SCORE_TABLE: dict[str, ScoreSpec] = {
         attention_scale=True,
         source="reconstruction",
     ),
+    # S11: KVzap's teacher, KVzip's rows weighted by ||W_o v_i|| / ||h_u||
+    "kvzip-plus": ScoreSpec(
+        kvzip_plus,
+        ("reconstruction",),
+        {"sinks": _SINKS, "chunk_tokens": _CHUNK_TOKENS},
+        attention_scale=True,
+        source="reconstruction",
+        output_weighted=True,
+    ),
     "h2o-rec": ScoreSpec(
         h2o_reconstruction,
         ("reconstruction",),
@@ -285,6 +309,7 @@ SCORE_TABLE: dict[str, ScoreSpec] = {
         {"surrogate": Param(check=check_scorer, tensor=True), "sinks": _SINKS},
         attention_scale=True,
         cross_head=True,
+        fixed=True,
     ),
 }
 

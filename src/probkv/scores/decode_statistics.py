@@ -21,6 +21,12 @@ keeps, per KV head and aligned with those entries, what the scores of S2 read:
 - ``last_attention``: the latest row's group-mean attention, for the stage's observation; a
   score without column sums (StreamingLLM, K-norm, TOVA, SnapKV) receives probabilities only
   on the step that starts a stage.
+- ``fixed``: for a score whose entries' scores never change once they are in the cache (a
+  row's ``fixed``: ``kvzap``, whose scorer reads every KV head's key and value at the entry's
+  position), each entry's log-score and forced flag, computed once when the entry enters
+  (``from_prompt`` for the prompt's, ``enter`` for the tail's, from every KV head's entries
+  of those positions, which the dense tail holds) and carried through the stages: exactly the
+  scores the whole sequence would give them.
 
 Entries are indexed as the layer holds them (prefix, then tail): scores that read positions
 (StreamingLLM's sinks and recency, SnapKV's window) see the entries in position order, which
@@ -118,12 +124,15 @@ class DecodeStatistics:
     group: int = 1  # g, known from the first decode rows
     pending: torch.Tensor | None = field(default=None, repr=False)  # [rows, Hq, width]
     pending_rows: int = 0  # rows held in ``pending``, not yet in ``sums``
+    fixed: FixedScores | None = None  # a ``fixed`` row's scores of the entries (docstring)
     weighting: str | None = field(init=False)
     rows_kept: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.weighting = scores.column_sums_needed(self.score)
         self.rows_kept = scores.last_query_rows(self.score, self.score_params)
+        if scores.score_spec(self.score).fixed and self.fixed is None:
+            raise ValueError(f"score {self.score!r} is fixed per entry: pass its entries' scores")
 
     @classmethod
     def from_prompt(
@@ -135,12 +144,15 @@ class DecodeStatistics:
         last_query_attention: torch.Tensor,
         kept: Sequence[torch.Tensor],
         values: torch.Tensor | None = None,
+        prompt_forced: torch.Tensor | None = None,
     ) -> DecodeStatistics:
         """Statistics after the prompt's eviction (stage 1): the prompt's ``t`` rows enter the
         column sums through its proposal ``exp(log_scores) [Hkv, t]`` (each of its rows counted
         as that distribution: exact for ``h2o``'s group mean, an approximation of the rows'
         harmonic weights for ``-h``), restricted to the ``kept[h]`` indices. ``value_norms
-        [Hkv, t]``: divided out of a ``min-h`` proposal (its column sums do not hold them)."""
+        [Hkv, t]``: divided out of a ``min-h`` proposal (its column sums do not hold them).
+        A ``fixed`` score keeps the kept entries' log-scores and ``prompt_forced [Hkv, t]``
+        flags as they are."""
         t = prompt_log_scores.shape[1]
         device = prompt_log_scores.device
         weighting = scores.column_sums_needed(score)
@@ -162,7 +174,42 @@ class DecodeStatistics:
         index, valid = _padded(kept, device)
         sums = mass.view(-1, 1, 1) * (pi.gather(1, index) * valid).unsqueeze(0)
         last = last_query_attention.float().gather(1, index.to(last_query_attention.device))
-        return cls(score, dict(score_params), sums, last * valid.float(), lengths, max(lengths))
+        fixed = None
+        if scores.score_spec(score).fixed:
+            fixed = FixedScores.empty(len(kept), device)
+            fixed.append(prompt_log_scores, prompt_forced)
+            fixed.keep(index, valid.bool(), lengths)
+        return cls(
+            score,
+            dict(score_params),
+            sums,
+            last * valid.float(),
+            lengths,
+            max(lengths),
+            fixed=fixed,
+        )
+
+    def enter(
+        self, key: torch.Tensor, value: torch.Tensor, *, first_position: int, layer_idx: int
+    ) -> None:
+        """A ``fixed`` score: score the entries that entered since the last stage, the dense
+        tail's ``key``/``value [Hkv, m, d]`` (every KV head's, positions ``first_position`` on),
+        with the score's own function (its ``sinks`` counted from ``first_position``), once."""
+        m = key.shape[1]
+        if self.fixed is None or m == 0:
+            return
+        if any(n != f + m for n, f in zip(self.lengths, self.fixed.lengths, strict=True)):
+            raise ValueError(
+                f"{m} tail entries do not complete the heads' {self.fixed.lengths} scored "
+                f"entries to {self.lengths}"
+            )
+        params = dict(self.score_params)
+        if "sinks" in params:  # the first ``sinks`` positions of the sequence are forced
+            params["sinks"] = max(0, int(params["sinks"]) - first_position)
+        result = scores.compute_scores(
+            self.score, None, key, value, scale=1.0, layer_idx=layer_idx, **params
+        )
+        self.fixed.append(result.log_scores, result.forced)
 
     def observe(self, probs: torch.Tensor | None, query: torch.Tensor) -> None:
         """A forward's ``q`` rows: ``probs [Hkv, g, q, n]`` over the entries held now (the
@@ -272,6 +319,11 @@ class DecodeStatistics:
         rows seen: a row's ``last_rows`` parameter (SnapKV's window) shrinks to them right
         after the prompt."""
         n = keys.shape[1]
+        if self.fixed is not None:  # scored when they entered (``enter``)
+            log_scores, forced = self.fixed.read(heads, n)
+            return LayerObservation(
+                layer_idx, rank, log_scores, forced, self.last_attention[list(heads), :n]
+            )
         g = self.group
         params = dict(self.score_params)
         query = keys.new_zeros(len(heads) * g, n, keys.shape[2])
@@ -302,6 +354,8 @@ class DecodeStatistics:
         index, valid = _padded(kept, device)
         if self.last_attention is not None:
             self.last_attention = self.last_attention.gather(1, index) * valid.float()
+        if self.fixed is not None:
+            self.fixed.keep(index, valid.bool(), [int(idx.numel()) for idx in kept])
         if self.weighting is not None:
             g = self.sums.shape[1] // len(kept)
             rows = index.repeat_interleave(g, dim=0)
@@ -320,3 +374,55 @@ def _padded(kept: Sequence[torch.Tensor], device) -> tuple[torch.Tensor, torch.T
         index[h, : idx.numel()] = idx.to(device)
         valid[h, : idx.numel()] = 1.0
     return index, valid
+
+
+@dataclass
+class FixedScores:
+    """A ``fixed`` score's log-scores ``[Hkv, capacity]`` (float32) and forced flags (bool) of
+    the entries each head holds, in the layer's order (prefix, then tail): head ``h``'s first
+    ``lengths[h]``, padding after."""
+
+    log_scores: torch.Tensor
+    forced: torch.Tensor
+    lengths: list[int]
+
+    @classmethod
+    def empty(cls, heads: int, device) -> FixedScores:
+        return cls(
+            torch.zeros(heads, 0, device=device),
+            torch.zeros(heads, 0, dtype=torch.bool, device=device),
+            [0] * heads,
+        )
+
+    def append(self, log_scores: torch.Tensor, forced: torch.Tensor | None) -> None:
+        """Every head's next ``m`` entries: ``log_scores``/``forced [Hkv, m]``."""
+        h, m = log_scores.shape
+        width = max(self.lengths) + m
+        if self.log_scores.shape[1] < width:
+            pad = width + _GROWTH - self.log_scores.shape[1]
+            self.log_scores = torch.cat([self.log_scores, self.log_scores.new_zeros(h, pad)], 1)
+            self.forced = torch.cat([self.forced, self.forced.new_zeros(h, pad)], 1)
+        log_scores = log_scores.to(self.log_scores.device, torch.float32)
+        for i, n in enumerate(self.lengths):
+            self.log_scores[i, n : n + m] = log_scores[i]
+            self.forced[i, n : n + m] = (
+                False if forced is None else forced[i].to(self.forced.device)
+            )
+        self.lengths = [n + m for n in self.lengths]
+
+    def keep(self, index: torch.Tensor, valid: torch.Tensor, lengths: list[int]) -> None:
+        """After a stage: ``index [Hkv, n]`` (padded, ``valid`` marks real entries)."""
+        index = index.to(self.log_scores.device)
+        valid = valid.to(self.log_scores.device)
+        self.log_scores = self.log_scores.gather(1, index) * valid
+        self.forced = self.forced.gather(1, index) & valid
+        self.lengths = list(lengths)
+
+    def read(self, heads: Sequence[int], n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``heads``' first ``n`` log-scores ``[len(heads), n]`` and forced flags (``None`` if
+        none is forced)."""
+        if any(self.lengths[h] != n for h in heads):
+            raise ValueError(f"heads {list(heads)} hold {self.lengths}, not {n} scored entries")
+        rows = list(heads)
+        forced = self.forced[rows, :n].clone()
+        return self.log_scores[rows, :n].clone(), forced if bool(forced.any()) else None

@@ -126,6 +126,7 @@ class ReconstructionStats:
     context_start: int = 0
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     reference_queries: torch.Tensor | None = None
+    max_weighted: torch.Tensor | None = None  # [Hkv, t] KVzip+'s max, when weighted (S11)
 
     @classmethod
     def empty(
@@ -150,8 +151,19 @@ class ReconstructionStats:
     def length(self) -> int:
         return self.max_attention.shape[1]
 
-    def add(self, max_attention: torch.Tensor, sum_attention: torch.Tensor, rows: int) -> None:
-        """Fold in one chunk's ``reconstruction_attention`` statistics over ``rows`` queries."""
+    def add(
+        self,
+        max_attention: torch.Tensor,
+        sum_attention: torch.Tensor,
+        rows: int,
+        max_weighted: torch.Tensor | None = None,
+    ) -> None:
+        """Fold in one chunk's ``reconstruction_attention`` statistics over ``rows`` queries
+        (``max_weighted``: KVzip+'s, when the pass is weighted)."""
+        if max_weighted is not None:
+            if self.max_weighted is None:
+                self.max_weighted = torch.zeros_like(self.max_attention)
+            torch.maximum(self.max_weighted, max_weighted.float(), out=self.max_weighted)
         if max_attention.shape != self.max_attention.shape:
             raise ValueError(
                 f"max_attention must be {tuple(self.max_attention.shape)}, got "
@@ -191,7 +203,9 @@ def reconstruction_attention(
     context_length: int,
     scale: float,
     chunk_size: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    row_weights: torch.Tensor | None = None,
+    column_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Attention of ``n`` reconstruction queries after ``t`` cached entries, with statistics.
 
     Args:
@@ -203,12 +217,18 @@ def reconstruction_attention(
         chunk_size: query rows per chunk; ``None`` as ``probkv.scores.column_sums`` (64 rows on CPU,
             fewer if one chunk's scores exceed 64 MiB).
 
+        row_weights, column_weights: KVzip+'s weights (S11), ``[n]`` per reconstruction row
+            (``1 / ||h_j||``, the row's attention input) and ``[Hq, t]`` per query head and
+            entry (``||W_o^q v_i||``); given together or not at all.
+
     Returns:
-        ``(output, max_attention, sum_attention)``: ``output [Hq, n, d_v]`` (query dtype) is the
-        causal attention the model computes (row ``j`` sees keys ``0..t+j``);
-        ``max_attention [Hkv, t]``, ``max_{j, q in G(h)} p_j^q(i)``; ``sum_attention [Hq, t]``,
-        ``sum_j p_j^q(i)``; both over the first ``t`` columns only, in the arithmetic dtype:
-        float32 (float64 if an input is float64).
+        ``(output, max_attention, sum_attention, max_weighted)``: ``output [Hq, n, d_v]``
+        (query dtype) is the causal attention the model computes (row ``j`` sees keys
+        ``0..t+j``); ``max_attention [Hkv, t]``, ``max_{j, q in G(h)} p_j^q(i)``;
+        ``sum_attention [Hq, t]``, ``sum_j p_j^q(i)``; ``max_weighted [Hkv, t]``,
+        ``max_{j, q in G(h)} r_j c^q_i p_j^q(i)`` with the weights (``None`` without them); all
+        over the first ``t`` columns only, in the arithmetic dtype: float32 (float64 if an
+        input is float64).
     """
     for name, x in (("query", query), ("key", key), ("value", value)):
         _check_floating(x, name)
@@ -231,6 +251,11 @@ def reconstruction_attention(
         torch.float64 if torch.float64 in (query.dtype, key.dtype, value.dtype) else torch.float32
     )
     dev = query.device
+    weighted = _check_weights(row_weights, column_weights, n, hq, t)
+    if weighted:
+        rw = row_weights.to(dev, dtype)
+        cw = column_weights.to(dev, dtype).view(hkv, g, 1, t)
+        max_weighted = torch.zeros(hkv, t, dtype=dtype, device=dev)
     k_t = key.to(dtype).transpose(1, 2)  # [Hkv, d, t + n]
     v = value.to(dtype)
     qg = query.reshape(hkv, g, n, d)
@@ -259,8 +284,25 @@ def reconstruction_attention(
             context = s.view(g, rows, width)[..., :t]
             torch.maximum(max_attention[h], context.amax((0, 1)), out=max_attention[h])
             sum_attention[h] += context.sum(1)
+            if weighted:
+                plus = (context * rw[a:b].view(1, rows, 1) * cw[h]).amax((0, 1))
+                torch.maximum(max_weighted[h], plus, out=max_weighted[h])
     output = out.view(hq, n, dv).to(query.dtype)
-    return output, max_attention, sum_attention.view(hq, t)
+    return output, max_attention, sum_attention.view(hq, t), max_weighted if weighted else None
+
+
+def _check_weights(row_weights, column_weights, n: int, hq: int, t: int) -> bool:
+    """Whether KVzip+'s weights are given (both, of shapes ``[n]`` and ``[Hq, t]``)."""
+    if row_weights is None and column_weights is None:
+        return False
+    if row_weights is None or column_weights is None:
+        raise ValueError("row_weights and column_weights (KVzip+) are given together or not at all")
+    if tuple(row_weights.shape) != (n,) or tuple(column_weights.shape) != (hq, t):
+        raise ValueError(
+            f"row_weights must be [{n}] and column_weights [{hq}, {t}], got "
+            f"{tuple(row_weights.shape)} and {tuple(column_weights.shape)}"
+        )
+    return True
 
 
 # ------------------------------------------------------------------------------ scores (S10.1)
@@ -311,6 +353,26 @@ def kvzip(
     ``FLOOR / (t - f)``. The first ``f = max(sinks, context_start)`` entries are forced."""
     f, forced = _forced_prefix(reconstruction, sinks, chunk_tokens)
     free = reconstruction.max_attention[:, f:].to(torch.float64)
+    floor = FLOOR / max(free.shape[1], 1)
+    return Scores(_prepend_forced(torch.log(free.clamp_min(floor)), f), forced)
+
+
+def kvzip_plus(
+    reconstruction: ReconstructionStats,
+    *,
+    sinks: int = 4,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> Scores:
+    """KVzip+ (KVzap's teacher, S11): ``log max_{u in R, q in G(h)} p_u^q(i) ||W_o^q v_i|| /
+    ||h_u||``, KVzip's attention weighted by what entry ``i`` adds to the output relative to
+    the reconstruction row's attention input; otherwise as ``kvzip`` (forced prefix, floor)."""
+    if reconstruction.max_weighted is None:
+        raise ValueError(
+            "score 'kvzip-plus' needs the reconstruction pass weighted by ||W_o v|| / ||h|| "
+            "(probkv.hf.reconstruct weighs it for this score)"
+        )
+    f, forced = _forced_prefix(reconstruction, sinks, chunk_tokens)
+    free = reconstruction.max_weighted[:, f:].to(torch.float64)
     floor = FLOOR / max(free.shape[1], 1)
     return Scores(_prepend_forced(torch.log(free.clamp_min(floor)), f), forced)
 
