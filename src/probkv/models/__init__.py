@@ -588,15 +588,13 @@ def max_positions(config: PretrainedConfig) -> int:
 
 
 def model_max_positions(name_or_path: str | os.PathLike[str] = DEFAULT_MODEL) -> int:
-    """:func:`max_positions` of a model from its config alone (no weights are loaded; a GGUF
-    is converted first if needed): for a process that holds only the tokenizer."""
+    """:func:`max_positions` of a model from its config alone: for a process that holds only
+    the tokenizer."""
     return max_positions(load_model_config(name_or_path))
 
 
 def load_model_config(name_or_path: str | os.PathLike[str] = DEFAULT_MODEL):
-    """A model's transformers config alone (no weights are loaded; a GGUF is converted first
-    if needed)."""
+    """A model's transformers config alone (no weights loaded; a GGUF is converted first)."""
     from transformers import AutoConfig
 
-    folder = resolve_model(name_or_path).path
-    return AutoConfig.from_pretrained(folder, local_files_only=True)
+    return AutoConfig.from_pretrained(resolve_model(name_or_path).path, local_files_only=True)
