@@ -104,11 +104,9 @@ def test_the_pass_leaves_the_cache_bit_identical(tiny):
         assert layer.state is LayerState.OBSERVED
 
 
-def dense_statistics(model, ids, prompt, chunk_tokens):
-    """Oracle (S10.1): eager attention over context + each chunk; per evicting layer the max
-    over the chunk's rows and GQA group, and the sum over rows, of the first t columns."""
-    t = ids.shape[1]
-    chunks = reconstruction_chunks(
+def repeat_chunks(ids, prompt, chunk_tokens):
+    """The oracles' "repeat the context" chunks of ``ids`` (S10.1)."""
+    return reconstruction_chunks(
         ids[0].tolist(),
         first=prompt.first,
         later=prompt.later,
@@ -116,6 +114,13 @@ def dense_statistics(model, ids, prompt, chunk_tokens):
         context_start=prompt.context_start(ids[0].tolist()),
         chunk_tokens=chunk_tokens,
     )
+
+
+def dense_statistics(model, ids, prompt, chunk_tokens):
+    """Oracle (S10.1): eager attention over context + each chunk; per evicting layer the max
+    over the chunk's rows and GQA group, and the sum over rows, of the first t columns."""
+    t = ids.shape[1]
+    chunks = repeat_chunks(ids, prompt, chunk_tokens)
     hkv = model.config.num_key_value_heads
     stats = {}
     model.set_attn_implementation("eager")
@@ -346,14 +351,7 @@ def kvzip_plus_oracle(model, ids, prompt, chunk_tokens, layers):
     (the layer's normalised hidden state) and multiplied by ``||W_o^q v_i||``; the max over
     rows and GQA group of the first t columns, per evicting layer."""
     t = ids.shape[1]
-    chunks = reconstruction_chunks(
-        ids[0].tolist(),
-        first=prompt.first,
-        later=prompt.later,
-        suffix=prompt.suffix,
-        context_start=prompt.context_start(ids[0].tolist()),
-        chunk_tokens=chunk_tokens,
-    )
+    chunks = repeat_chunks(ids, prompt, chunk_tokens)
     c = model.config
     hkv, hq = c.num_key_value_heads, c.num_attention_heads
     d = getattr(c, "head_dim", None) or c.hidden_size // hq
