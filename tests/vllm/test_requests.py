@@ -134,3 +134,25 @@ def test_decode_attention_is_algorithm_1():
             keys[positions[k:], kv], values[positions[k:], kv], scale=D**-0.5,
         )  # fmt: skip
         torch.testing.assert_close(out[0, h].double(), ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("method", ["snapkv/window=8", "prob:h2o"])
+def test_early_chunks_without_the_prompts_entries_give_the_same_kept_prefix(method):
+    """Scores without column sums read only the last chunk's entries: early chunks may come
+    without keys and values (the worker then reads nothing back from the paged cache); scores
+    with column sums refuse that by name."""
+    policy = parse_method(f"{method}/scope=model/block={BLOCK}", 0.5)
+    layer_tensors = tensors(6)
+    request = RequestEviction(policy, T, BLOCK, LAYERS, D**-0.5)
+    for lo, hi in itertools.pairwise([0, 20, T]):
+        for i, (q, k, v) in zip(LAYERS, layer_tensors):
+            if request.needs_entries(hi):
+                request.add_chunk(i, q[:, lo:hi], k[:, :hi], v[:, :hi])
+            else:
+                request.add_chunk(i, q[:, lo:hi], None, None, t=hi)
+    assert request.needs_entries(20) == (method == "prob:h2o")
+    assert torch.equal(request.select().positions, run(policy, layer_tensors, (20,)).positions)
+    with pytest.raises(ValueError, match="needs the prompt's keys and values"):
+        RequestEviction(policy, T, BLOCK, LAYERS, 1.0).add_chunk(
+            0, layer_tensors[0][0][:, :T], None, None, t=T
+        )

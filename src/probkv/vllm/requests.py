@@ -78,14 +78,27 @@ class RequestEviction:
         """Every layer has seen the whole prompt."""
         return len(self.observations) == len(self.layers)
 
+    def needs_entries(self, t: int) -> bool:
+        """Whether a chunk ending at ``t`` reads the prompt's keys and values: every chunk for
+        scores built on column sums, only the last one for the others (``add_chunk``)."""
+        return t == self.prompt_length or scores.column_sums_needed(self.policy.score) is not None
+
     def add_chunk(
-        self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        t: int | None = None,
     ) -> None:
         """A prefill chunk of ``layer``: ``query [Hq, q, d]`` are the last ``q`` rows of
-        ``key``/``value [Hkv, t, d]``, every prompt entry so far (``t <= prompt_length``)."""
+        ``key``/``value [Hkv, t, d]``, every prompt entry so far (``t <= prompt_length``).
+        Where ``needs_entries(t)`` is false, ``key`` and ``value`` may be None (give ``t``)."""
         if layer not in self.layers:
             raise ValueError(f"layer {layer} is not one of the evicting layers {self.layers}")
-        t = key.shape[1]
+        t = key.shape[1] if key is not None else t
+        if t is None or (key is None and self.needs_entries(t)):
+            raise ValueError(f"a chunk ending at {t} needs the prompt's keys and values")
         if t > self.prompt_length:
             raise ValueError(
                 f"a prefill chunk ends at {t}, beyond the prompt ({self.prompt_length})"

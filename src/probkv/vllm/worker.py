@@ -92,6 +92,10 @@ class WorkerEviction:
                 logw = None
             else:
                 positions, logw = visible_positions(request.kept, n)
+            rows = query[lo:hi]
+            if logw is None and not request.needs_entries(n):
+                request.add_chunk(layer, rows.transpose(0, 1).float(), None, None, t=n)
+                continue  # an early chunk: only its last query rows are kept
             blocks = table[row, positions // self.block_size].to(torch.int64)
             offsets = positions % self.block_size
             keys = read_cache(key_cache, layout[0], blocks, offsets)  # [n', Hkv, d]
@@ -99,12 +103,12 @@ class WorkerEviction:
             if logw is None:
                 request.add_chunk(
                     layer,
-                    query[lo:hi].transpose(0, 1).float(),
+                    rows.transpose(0, 1).float(),
                     keys.transpose(0, 1).float(),
                     values.transpose(0, 1).float(),
                 )
             else:
-                out = decode_attention(query[lo:hi], keys, values, logw, scale=scale)
+                out = decode_attention(rows, keys, values, logw, scale=scale)
                 output[lo:hi] = out.to(output.dtype)
 
     def after_forward(self) -> None:
