@@ -344,9 +344,10 @@ class EvictingLayer(CacheLayerMixin):
         """What the latest eviction left, per sequence (``probkv.hf.eviction.apply_selection``)."""
         self.sequence_reports = list(reports)
 
-    def awaits_reconstruction(self, last_query_attention: torch.Tensor) -> None:
-        """The prefill of a reconstruction score (S10.1): keep ``p_t`` for the report and wait
-        for the pass (``PREFILL`` -> ``AWAITING_RECONSTRUCTION``)."""
+    def awaits_reconstruction(self, last_query_attention: torch.Tensor | list) -> None:
+        """The prefill of a reconstruction score (S10.1): keep ``p_t`` (a batch: one per
+        sequence) for the report and wait for the pass (``PREFILL`` ->
+        ``AWAITING_RECONSTRUCTION``)."""
         if self.state is not LayerState.PREFILL:
             raise RuntimeError(f"layer {self.layer_idx}: prefill seen twice ({self.state.name})")
         self.prompt.last_query_attention = last_query_attention

@@ -13,7 +13,7 @@
   :func:`check_layers_used`, :func:`check_same_layers`): named with both layer counts.
 - A forward whose batch size is not the cache's (:func:`batch_message`: beam search and
   several returned sequences copy sequences), and what is not batched yet
-  (:func:`check_batch_supported`: decode budgets, reconstruction scores).
+  (:func:`check_batch_supported`: decode budgets).
 - ``model.generate`` on a prompt that does not begin with the ids the cache holds
   (:func:`check_generation_ids`: ``probkv.hf.prepare_model`` makes ``generate`` call it
   with the whole prompt, before transformers slices off what the cache holds).
@@ -162,16 +162,11 @@ def check_padding(attention_mask: torch.Tensor | None, layers: Sequence) -> None
 def check_batch_supported(policy: EvictionPolicy, budget) -> None:
     """A batch of several sequences (each evicted on its own, S11 batches) is refused, by
     name, for what the batched integration does not do yet: a decode budget's stages
-    (S10.5) and a reconstruction pass (S10.1)."""
+    (S10.5)."""
     if budget is not None:
         raise ValueError(
             f"a decode budget (max_entries={budget.max_entries}) holds one sequence: its "
             "stages and decode statistics are not batched; run the prompts one at a time"
-        )
-    if needs_reconstruction(policy.score):
-        raise ValueError(
-            f"score {policy.score!r} reads a reconstruction pass (S10.1), which is not "
-            "batched: compress the prompts one at a time"
         )
 
 
