@@ -11,7 +11,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from probkv.hf import ProbKVCache, RepeatPrompt, answer, compress, pad_left, prepare_model
+from probkv.hf import (
+    ProbKVCache,
+    RepeatPrompt,
+    answer,
+    compress,
+    pad_left,
+    prepare_model,
+    repeat_prompt,
+)
 from probkv.hf import attention as attention_module
 from probkv.models.testing import TINY_EOS_ID, tiny_model
 from probkv.policies import parse_method
@@ -235,7 +243,9 @@ def test_a_batch_is_reconstructed_and_evicted_each_sequence_as_alone(tiny, metho
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["snapkv", "prob:snapkv", "prob:min-h/scope=global"])
+@pytest.mark.parametrize(
+    "method", ["snapkv", "prob:snapkv", "prob:min-h/scope=global", "kvzip/chunk_tokens=64"]
+)
 def test_smollm2_batch_equals_alone(smollm2, method):
     """The real model: per sequence, the same greedy tokens and kept entries as alone."""
     model, tokenizer = smollm2
@@ -245,13 +255,14 @@ def test_smollm2_batch_equals_alone(smollm2, method):
     ids = tokenizer(prose_text(400, seed=1), return_tensors="pt").input_ids[0]
     seqs = [ids[:160], ids[40:150], ids[80:210]]
     policy = parse_method(method, ratio=0.5)
-    cache = compress(model, seqs, policy)
+    rec = {"repeat_prompt": repeat_prompt(tokenizer)} if method.startswith("kvzip") else {}
+    cache = compress(model, seqs, policy, **rec)
     held = cache.nbytes()  # before answering: answer leaves a tail buffer allocated
     question = [torch.tensor([13]), torch.tensor([13]), torch.tensor([13])]
     out = answer(model, cache, question, max_new_tokens=8)
     total = 0
     for b, seq in enumerate(seqs):
-        alone = compress(model, seq, policy)
+        alone = compress(model, seq, policy, **rec)
         total += alone.nbytes()
         assert_same_prefix(alone, cache, b)
         expected = answer(model, alone, question[b], max_new_tokens=8).tolist()
