@@ -4,6 +4,7 @@ or not, split over tensor-parallel ranks or not; decode attention against Algori
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -12,6 +13,7 @@ import torch
 
 from probkv.estimation import corrected_attention_reference
 from probkv.policies import parse_method, select_layers
+from probkv.scores import surrogate as sg
 from probkv.scores.observation import observe_layer
 from probkv.vllm.requests import RequestEviction, decode_attention, visible_positions
 
@@ -69,6 +71,38 @@ def test_kept_prefix_equals_the_transformers_selection(method, chunks):
     for sel in reference(policy, layer_tensors):  # one set for every layer and head
         for h in range(HKV):
             assert torch.equal(sel.head(h)[0], positions)
+
+
+def kvzap_policy(method: str, ratio: float):
+    """``method`` (a kvzap policy) with a random scorer of these shapes (every KV head's value
+    and key pair norms -> each KV head's log-score, per layer)."""
+    g = torch.Generator().manual_seed(5)
+    f = HKV * (D + D // 2)
+    layers = {
+        i: sg.LinearSurrogate(
+            torch.zeros(f), torch.ones(f), 0.5 * torch.randn(f, HKV, generator=g), -torch.ones(HKV)
+        )
+        for i in LAYERS
+    }
+    model = {"name": "toy", "shapes": {}, "digest": "0" * 16}
+    policy = parse_method(f"{method}/scope=model/block={BLOCK}", ratio)
+    params = {**policy.score_params, "surrogate": sg.SurrogateScorer("kv", layers, model, {})}
+    return dataclasses.replace(policy, score_params=params)
+
+
+@pytest.mark.parametrize("method", ["prob:kvzap", "topk:kvzap"])
+@pytest.mark.parametrize("chunks", [(), (20,), (7, 30, 44)])
+def test_kvzap_kept_prefix_equals_the_transformers_selection(method, chunks):
+    """kvzap's scores are a function of each position's keys and values (every KV head's):
+    read from the whole prompt's entries at the last chunk, they are observe_layer's."""
+    policy = kvzap_policy(method, 0.5)
+    layer_tensors = tensors(4)
+    kept = run(policy, layer_tensors, chunks)
+    positions, logw = reference(policy, layer_tensors)[0].head(0)
+    assert torch.equal(kept.positions, positions)
+    expected = torch.zeros(positions.shape) if logw is None else logw
+    torch.testing.assert_close(kept.log_weights, expected, rtol=1e-5, atol=1e-5)
+    assert kept.positions[:4].tolist() == [0, 1, 2, 3]  # the sinks are forced
 
 
 @pytest.mark.parametrize("method", ["snapkv/window=8", "prob:snapkv/window=8", "prob:h2o"])
