@@ -48,7 +48,6 @@ def test_hf_refuses_tensor_parallelism_and_takes_everything_else():
         ({"methods": ("full", "kvzip")}, {}, r"method 'kvzip' cannot run in vLLM"),
         ({"methods": ("ada_snapkv",)}, {}, r"method 'ada_snapkv' cannot run in vLLM"),
         ({}, {"spelled": ("snapkv/scope=head",)}, r"sets scope=head: vLLM's blocks span"),
-        ({"methods": ("prob:kvzap",)}, {"tensor_parallel_size": 3}, r"kvzap under tensor_par"),
         ({"methods": ("kvzap",)}, {}, r"'kvzap' cannot run.*use topk:kvzap/scope=model"),
         # canonical names drop options equal to their defaults (scope=head, block=16): the
         # names as typed are checked too

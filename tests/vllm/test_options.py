@@ -79,7 +79,7 @@ def test_kvzap_gets_the_models_shipped_scorer(method):
     assert "surrogate" not in policy_for(method, 0.5, 32).score_params  # no model: name only
 
 
-def test_kvzap_is_refused_by_name_without_a_scorer_or_under_tensor_parallelism():
+def test_kvzap_is_refused_by_name_without_a_scorer_or_kv_heads_that_split_over_the_ranks():
     other = smollm2_config(num_hidden_layers=31, _name_or_path="my/llama")
     with pytest.raises(
         ValueError, match=r"'topk:kvzap' cannot run in vLLM.*no scorer for model 'my/llama'"
@@ -88,17 +88,19 @@ def test_kvzap_is_refused_by_name_without_a_scorer_or_under_tensor_parallelism()
     # KVzip's recipe (global and Ada-KV budgets) has no model-wide form: the top-k is named
     with pytest.raises(ValueError, match=r"'kvzap'.*use topk:kvzap/scope=model"):
         policy_for("kvzap", 0.5, 32, smollm2_config())
-    with pytest.raises(ValueError, match=r"'prob:kvzap'.*tensor_parallel_size=3"):
-        policy_for("prob:kvzap", 0.5, 32, smollm2_config(), 3)
-    policy_for("prob:snapkv", 0.5, 32, other, 3)  # other scores: no scorer, any TP
+    # SmolLM2's 3 KV heads split over 3 ranks, not over 9 (vLLM would copy them)
+    assert policy_for("prob:kvzap", 0.5, 32, smollm2_config(), 3).score == "kvzap"
+    with pytest.raises(ValueError, match=r"'prob:kvzap'.*tensor_parallel_size=9: the model's 3 KV"):
+        policy_for("prob:kvzap", 0.5, 32, smollm2_config(), 9)
+    policy_for("prob:snapkv", 0.5, 32, other, 9)  # other scores: no scorer
     engine = {"additional_config": {"probkv": {"method": "prob:kvzap", "ratio": 0.5}}}
     assert check_engine(config(**engine, model_config=SimpleNamespace(hf_config=smollm2_config())))
     with pytest.raises(ValueError, match="no scorer for model 'my/llama'"):
         check_engine(config(**engine, model_config=SimpleNamespace(hf_config=other)))
     parallel = SimpleNamespace(
-        pipeline_parallel_size=1, worker_cls=DEFAULT_WORKER, tensor_parallel_size=3
+        pipeline_parallel_size=1, worker_cls=DEFAULT_WORKER, tensor_parallel_size=9
     )
-    with pytest.raises(ValueError, match="tensor_parallel_size=3"):
+    with pytest.raises(ValueError, match="tensor_parallel_size=9"):
         check_engine(
             config(
                 **engine,

@@ -226,29 +226,22 @@ def test_bad_engine_options_are_refused_by_name_before_the_model_loads(extra, ma
         )
 
 
-def test_kvzap_is_refused_by_name_for_a_model_without_a_scorer_and_under_tp(tmp_path):
-    """A model whose identity no shipped scorer has (SmolLM2's files with another
-    RoPE base), and kvzap over 3 tensor-parallel ranks: refused by name, before the model
-    loads (or any worker starts)."""
+def test_kvzap_is_refused_by_name_for_a_model_without_a_scorer(tmp_path):
+    """A model whose identity no shipped scorer has (SmolLM2's files with another RoPE base):
+    refused by name, before the model loads."""
     source = resolve_model("smollm2-135m").path
     for item in source.iterdir():
         (tmp_path / item.name).symlink_to(item)
     config = json.loads((source / "config.json").read_text())
     (tmp_path / "config.json").unlink()
-    (tmp_path / "config.json").write_text(
-        json.dumps({**config, "rope_parameters": {"rope_theta": 12345.0, "rope_type": "default"}})
-    )
-    for model, tp, match in [
-        (tmp_path, 1, r"'prob:kvzap' cannot run in vLLM: .*no scorer for model"),
-        (source, 3, r"'prob:kvzap' cannot run in vLLM: kvzap under tensor_parallel_size=3"),
-    ]:
-        with pytest.raises(Exception, match=match):
-            vllm.LLM(
-                model=str(model),
-                dtype="float32",
-                enforce_eager=True,
-                max_model_len=1024,
-                kv_cache_memory_bytes=64 << 20,
-                tensor_parallel_size=tp,
-                **engine_options("prob:kvzap", 0.5),
-            )
+    rope = {"rope_theta": 12345.0, "rope_type": "default"}
+    (tmp_path / "config.json").write_text(json.dumps({**config, "rope_parameters": rope}))
+    with pytest.raises(Exception, match=r"'prob:kvzap' cannot run in vLLM: .*no scorer for model"):
+        vllm.LLM(
+            model=str(tmp_path),
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=1024,
+            kv_cache_memory_bytes=64 << 20,
+            **engine_options("prob:kvzap", 0.5),
+        )

@@ -92,16 +92,18 @@ def check_engine_run(
 def check_engine_model(config: RunConfig, *, tensor_parallel_size: int | None = None) -> None:
     """With ``vllm``, refuse a model the plugin cannot run, or whose heads do not divide over
     the ranks, from its ``config.json`` (``probkv.vllm.engine.check_model``), or that a kvzap
-    method has no shipped scorer for (its config's identity); nothing with ``hf``."""
+    method has no shipped scorer for (its config's identity) or whose KV heads do not split
+    over the ranks; nothing with ``hf``."""
     if config.engine != "vllm":
         return
     from probkv.vllm.engine import check_methods, check_model, scorer_methods  # pure
 
-    path = str(resolve_model(config.model).path)
-    check_model(path, tensor_parallel_size or 1)
+    path, ranks = str(resolve_model(config.model).path), tensor_parallel_size or 1
+    check_model(path, ranks)
     methods = scorer_methods([m for m in config.methods if m != FULL], config.ratios)
     if methods:
-        check_methods(methods, config.ratios, model=load_model_config(path))
+        model = load_model_config(path)
+        check_methods(methods, config.ratios, model=model, tensor_parallel_size=ranks)
 
 
 def vllm_rows(

@@ -46,8 +46,9 @@ def check_methods(
 ) -> None:
     """Refuse, by name and before any engine starts, a method the plugin cannot run at any of
     ``ratios`` (per-head or per-layer scopes, reconstruction scores, calibrated weights,
-    budgets the model-wide block selection cannot take; kvzap over several tensor-parallel
-    ranks, or, given the ``model``'s config, for a model no scorer is shipped for): ValueError."""
+    budgets the model-wide block selection cannot take; given the ``model``'s config, kvzap
+    for a model no scorer is shipped for, or whose KV heads do not split over the ranks):
+    ValueError."""
     for method in methods:
         for ratio in ratios:
             try:

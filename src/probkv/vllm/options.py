@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from probkv import scores
 from probkv.policies import FullCache, parse_method
 from probkv.policies.base import EvictionPolicy
-from probkv.scores.scorer_lookup import with_scorer
+from probkv.scores.scorer_lookup import model_shapes, with_scorer
 
 KEY = "probkv"
 TESTED_VLLM = "0.32"  # the minor version the plugin was written and tested against
@@ -131,17 +131,22 @@ def with_kvzap_scorer(
 ) -> EvictionPolicy:
     """A ``kvzap`` policy completed with the scorer shipped for ``model`` (a config read by
     attribute: vLLM's ``model_config.hf_config``; ``probkv.scores.scorer_lookup``), refused
-    by name for a model without one, or under tensor parallelism; other policies, and any
-    policy when ``model`` is None (only the name is checked), unchanged."""
-    if policy.score != KVZAP:
+    by name for a model without one, or whose KV heads do not split over
+    ``tensor_parallel_size`` ranks (each rank then sums its heads' share of every head's
+    prediction with the others': ``probkv.vllm.requests.tensor_parallel_policy``); other
+    policies, and any policy when ``model`` is None (only the name is checked), unchanged."""
+    if policy.score != KVZAP or model is None:
         return policy
-    if tensor_parallel_size != 1:
+    policy = with_scorer(policy, model)
+    hkv = model_shapes(model)["num_key_value_heads"]
+    if tensor_parallel_size != 1 and (not isinstance(hkv, int) or hkv % tensor_parallel_size):
         raise ValueError(
-            f"kvzap under tensor_parallel_size={tensor_parallel_size}: its scorer predicts "
-            "each KV head from every KV head's keys and values at a position, and each rank "
-            "holds only its own heads; run kvzap with tensor_parallel_size=1"
+            f"kvzap under tensor_parallel_size={tensor_parallel_size}: the model's {hkv} KV "
+            "heads do not split over the ranks (vLLM then copies KV heads to several ranks, "
+            "and kvzap's scorer reads every KV head once); choose a tensor_parallel_size that "
+            f"divides {hkv}"
         )
-    return policy if model is None else with_scorer(policy, model)
+    return policy
 
 
 def _unsupported(policy: EvictionPolicy) -> str | None:

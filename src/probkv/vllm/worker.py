@@ -21,7 +21,12 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 
 from probkv.vllm import options as opts
 from probkv.vllm.paged import LAYER_INDEX, read_cache
-from probkv.vllm.requests import RequestEviction, decode_attention, visible_positions
+from probkv.vllm.requests import (
+    RequestEviction,
+    decode_attention,
+    tensor_parallel_policy,
+    visible_positions,
+)
 
 OUTPUT_FIELD = "probkv_evicted"  # req_id -> {"freed": [...], ...} on a ModelRunnerOutput
 _ACTIVE: WorkerEviction | None = None
@@ -70,6 +75,10 @@ class WorkerEviction:
         )
         if policy is None or self.layers is None:
             return
+        group = get_tp_group()
+        policy = tensor_parallel_policy(
+            policy, group.rank_in_group, group.world_size, group.all_reduce
+        )
         self.requests[req_id] = RequestEviction(
             policy, prompt_length, self.block_size, self.layers, self.scale
         )
