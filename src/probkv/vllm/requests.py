@@ -10,6 +10,11 @@ observations of every KV head of the model (``gather`` joins tensor-parallel ran
 every rank makes the same selection from the same inputs). Decode attention of the request then
 reads the kept prompt positions with their log-weights and every position after the prompt
 (``decode_attention``: ``probkv.estimation.corrected_attention``, S4).
+
+kvzap (S11) reads each position's keys and values, which the last chunk holds for every score;
+under tensor parallelism its scorer reads every KV head of a position while a rank holds some:
+``tensor_parallel_policy`` gives the rank a ``ScorerShard`` (its heads' share of every head's
+prediction, summed over the TP group).
 """
 
 from __future__ import annotations
