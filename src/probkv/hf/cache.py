@@ -48,8 +48,8 @@ from probkv.hf.eviction import evict_layers
 from probkv.hf.prefill import ObserveOnly, PromptReading
 from probkv.hf.prefix import DenseTail, RaggedPrefix, kept_prefix
 from probkv.hf.report import LayerReport
-from probkv.hf.scorer import with_scorer
 from probkv.policies.base import EvictionPolicy, LayerObservation
+from probkv.scores.scorer_lookup import with_scorer
 
 __all__ = ["EvictingLayer", "LayerReport", "LayerState", "ObserveOnly", "ProbKVCache"]
 
