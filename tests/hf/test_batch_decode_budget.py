@@ -169,8 +169,11 @@ def test_a_budgeted_batch_evicts_and_generates_each_sequence_as_alone(tiny, meth
         for b, mine in enumerate(cache.layers[i].sequence_layers):
             batch_stages[b][i] = stages(mine)
     total = 0
+    peaks = {i: [] for i in cache.evicting_layers}
     for b, seq in enumerate(seqs):
         alone, tokens = run_alone(tiny, policy, seq, every)
+        for i in alone.evicting_layers:
+            peaks[i].append(alone.layers[i].decode_state)
         assert out[b, t:].tolist() == tokens
         for i in alone.evicting_layers:
             theirs = stages(alone.layers[i])
@@ -186,6 +189,11 @@ def test_a_budgeted_batch_evicts_and_generates_each_sequence_as_alone(tiny, meth
         assert cache.nbytes(sequence=b) == pytest.approx(alone.nbytes(), rel=0.01)
         total += alone.nbytes()
     assert cache.nbytes() == pytest.approx(total, rel=0.01)
+    for i, states in peaks.items():  # the batch layer's: over its sequences, bytes summed
+        state = cache.layers[i].decode_state
+        assert state.stages == max(s.stages for s in states)
+        assert state.peak_entries == max(s.peak_entries for s in states) <= MAX_ENTRIES + every
+        assert state.peak_bytes <= 1.01 * sum(s.peak_bytes for s in states)
     # the short prompt reaches its first decode stage at another step than the long ones
     first = cache.evicting_layers[0]
     steps = [batch_stages[b][first][0][0] - n for b, n in enumerate(LENGTHS)]

@@ -36,6 +36,7 @@ from probkv.hf.decode_budget import (
     after_decode_attention,
     decode_rows_needed,
     join_batch,
+    record_batch_peak,
     sequence_probabilities,
 )
 from probkv.hf.eviction import evict_decode_stage
@@ -227,13 +228,18 @@ def batched_budget_attention(
         scale,
         any(needed),
     )
-    staged = False
-    for b, one in enumerate(sequences):
-        rows = sequence_probabilities(layer, probs, b, q_len) if needed[b] else None
-        if after_decode_attention(one, query[b], probabilities=rows):
-            evict_decode_stage(one, scale)
-            staged = True
-    if staged:
+    due = [
+        after_decode_attention(
+            one,
+            query[b],
+            probabilities=sequence_probabilities(layer, probs, b, q_len) if needed[b] else None,
+        )
+        for b, one in enumerate(sequences)
+    ]
+    record_batch_peak(layer)  # before any stage: what the batch holds at its largest
+    for one in (one for one, stage in zip(sequences, due) if stage):
+        evict_decode_stage(one, scale)
+    if any(due):
         join_batch(layer)
     return out.reshape(batch, hq, q_len, -1)
 

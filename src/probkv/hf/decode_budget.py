@@ -350,6 +350,17 @@ def join_batch(layer) -> None:
         )
         layer.state = type(layer.state).EVICTED
     layer.record_report([one.sequence_reports[0] for one in sequences])
+    record_batch_peak(layer)
+
+
+def record_batch_peak(layer) -> None:
+    """A batch layer's own ``decode_state``: the most stages any sequence ran, the most
+    entries any of its (sequence, KV head) segments held, and the most bytes the whole layer
+    held (each sequence's own state holds its own, as alone)."""
+    state, sequences = layer.decode_state, layer.sequence_layers
+    state.stages = max(one.decode_state.stages for one in sequences)
+    state.peak_entries = max(one.decode_state.peak_entries for one in sequences)
+    state.peak_bytes = max(state.peak_bytes, layer.nbytes())
 
 
 def sequence_probabilities(layer, probabilities: torch.Tensor, b: int, q: int) -> torch.Tensor:
