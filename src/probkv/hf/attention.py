@@ -18,7 +18,8 @@ For an evicting layer, its state (``probkv.hf.cache.LayerState``) decides:
 - ``OBSERVED`` (prefill seen, eviction pending): dense causal attention;
 - ``EVICTED``: one softmax over the ragged weighted prefix (logits ``+ log w``, S4) and the
   dense tail of tokens added since, which carries no weight; with a decode budget, the rows
-  then feed its statistics and may start a stage (``probkv.hf.decode_budget``, S10.5).
+  then feed its statistics and may start a stage (``probkv.hf.decode_budget``, S10.5; in a
+  batch, each sequence's own: ``batched_budget_attention``).
 
 A forward may also carry a recorder as ``probkv_capture`` (``probkv.hf.capture``): it receives
 every layer's real inputs and output, whichever path computed them.

@@ -24,7 +24,8 @@ reconstruction pass (KVzip, S10.1) go ``PREFILL`` -> ``AWAITING_RECONSTRUCTION``
 transformers' own sliding-window layers elsewhere (Gemma-3's local layers are not evicted). It
 runs the policy once every evicting layer has been observed during prefill. Every eviction goes
 through ``probkv.hf.eviction``; with a decode budget (``max_entries``) the layers are evicted
-again during generation (``probkv.hf.decode_budget``, S10.5).
+again during generation (``probkv.hf.decode_budget``, S10.5); in a batch, each sequence's
+stages on their own (a single-sequence layer per sequence, ``EvictingLayer.sequence_layers``).
 """
 
 from __future__ import annotations
@@ -423,7 +424,8 @@ class ProbKVCache(Cache):
     ``max_entries=B``, ``every=K`` (default 1; only with ``max_entries``): a decode budget,
     at most ``B + K`` entries per KV head from the prompt's eviction on, for any length
     generated one token at a time (the prompt evicted to ``B``, then every ``K`` new
-    entries; the budget replaces the policy's ``ratio``; ``probkv.hf.decode_budget``, S10.5).
+    entries; the budget replaces the policy's ``ratio``; ``probkv.hf.decode_budget``, S10.5);
+    in a batch, per sequence, at the steps it would alone (new tokens without padding).
     """
 
     def __init__(

@@ -27,6 +27,10 @@ reach), plus one float32 log-weight per kept entry. A top-k stage keeps ``B`` en
 head, a pps stage at most ``B + K - 1`` (its blocks hold at most ``K`` entries, S10.3, so it
 keeps up to ``block - 1`` more or fewer than ``B``).
 
+A batch (S11) holds the budget per sequence: each sequence's stages come at the steps they
+come alone, with its own seeds and statistics (``split_batch`` below); its new tokens must
+not be padded (``probkv.hf.guards.check_budget_padding``).
+
 Refused by name, since they cannot hold it: Ada-KV head budgets, PyramidKV / global layer
 budgets, the global scope and a threshold (their budgets move between heads or layers, or
 with the prompt, while a decode budget holds every head to ``B``), scores read from a reconstruction pass (KVzip, S10.1: a
