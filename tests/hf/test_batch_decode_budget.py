@@ -283,3 +283,45 @@ def test_smollm2_budgeted_batch_equals_alone(smollm2, method, stages):
         assert cache.nbytes(sequence=b) == pytest.approx(alone.nbytes(), rel=0.01)
         total += alone.nbytes()
     assert cache.nbytes() == pytest.approx(total, rel=0.01)
+
+
+@pytest.mark.parametrize("method", ["prob:h2o-h", "tova"])
+def test_the_batched_ragged_op_serves_a_budgeted_batch(monkeypatch, method, stages):
+    """The segment softmax over the flattened (sequence, head) layout (the path off the CPU)
+    hands each sequence's statistics the probabilities they read alone: the same stages."""
+    from probkv.hf import attention as attention_module
+
+    monkeypatch.setattr(attention_module, "RAGGED_BATCHED_ON_CPU", True)
+    calls = []
+    batched = attention_module._ragged_batched
+
+    def counted(prefix, qg, tail_logits, tail_v, scale, keep_probs):
+        calls.append(keep_probs)
+        return batched(prefix, qg, tail_logits, tail_v, scale, keep_probs)
+
+    monkeypatch.setattr(attention_module, "_ragged_batched", counted)
+    model = prepare_model(tiny_model("llama", seed=0))
+    policy = parse_method(method)
+    seqs = prompts(model.config.vocab_size)
+    ids, mask = pad_left(seqs)
+    cache = ProbKVCache(model.config, policy, max_entries=MAX_ENTRIES, every=4)
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            cache=cache,
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    assert any(calls)  # the 9-token prompt makes the batch ragged, and a stage read its rows
+    calls.clear()
+    for b, seq in enumerate(seqs):
+        alone, tokens = run_alone(model, policy, seq, 4)
+        assert out[b, ids.shape[1] :].tolist() == tokens
+        for i in alone.evicting_layers:
+            theirs = stages(alone.layers[i])
+            assert theirs
+            assert_same_stages(theirs, stages(cache.layers[i].sequence_layers[b]))
+        assert_same_layers(alone, cache, b)
