@@ -43,11 +43,11 @@ from transformers import DynamicCache
 
 from probkv.cli.args import ratio_list
 from probkv.hf import ProbKVCache, compress, observe, prepare_model, repeat_prompt
-from probkv.hf.scorer import has_scorer
 from probkv.models import load_model
 from probkv.models.dtypes import DTYPE_CHOICES, MODEL_DTYPES, resolve_dtype_name
 from probkv.policies import parse_method
 from probkv.scores import SCORE_NAMES
+from probkv.scores.scorer_lookup import has_scorer
 
 EXTRA_PREFILL_METHODS = ["snapkv", "prob:min-h", "prob:min-h/scope=global"]
 # Decode variants observe the same score, so one observed prefill serves them all

@@ -574,7 +574,7 @@ def _method_specs() -> list[str]:
     specs = []
     for name in method_names():
         score = parse_method(name, 0.5).score
-        # kvzap needs a scorer trained for the model (S11; tests/hf/test_scorer.py)
+        # kvzap needs a scorer trained for the model (S11; tests/hf/test_kvzap.py)
         if name == "full" or needs_reconstruction(score) or score == "kvzap":
             continue
         options = _PROB_OPTIONS if name.startswith("prob:") else _TOPK_OPTIONS

@@ -41,6 +41,20 @@ def test_batch_size_4_gives_the_rows_of_batch_size_1(
     )
 
 
+def test_reconstruction_scores_batch_with_the_rows_of_batch_size_1(
+    tiny_dir, data_file, tmp_path, run_config, keyed
+):
+    """kvzip's pass runs for the batch (one forward per round of chunks), as alone."""
+    cfg = run_config(tiny_dir, data_file, methods=("kvzip", "prob:kvzip"), ratios=(0.5,))
+    one = run_eval(cfg, tmp_path / "one", progress=False)
+    many = run_eval(cfg, tmp_path / "many", progress=False, batch_size=4)
+    assert one.jobs_run == many.jobs_run
+    _rows_equal(
+        keyed(read_results(tmp_path / "one" / RESULTS_FILE)),
+        keyed(read_results(tmp_path / "many" / RESULTS_FILE)),
+    )
+
+
 def test_gemma_batches_only_questions_of_one_length(
     tiny_gemma_dir, data_file, tmp_path, run_config, keyed
 ):
@@ -53,7 +67,7 @@ def test_gemma_batches_only_questions_of_one_length(
     )
 
 
-def test_plan_batches_groups_same_jobs_and_keeps_reconstruction_alone(make_examples):
+def test_plan_batches_groups_same_jobs(make_examples):
     examples = make_examples(num=3)
     snap = (("snapkv", 0.5),)
     units = [Unit(ex, jobs) for ex in examples for jobs in (((FULL, 0.0),), snap)]
@@ -61,7 +75,7 @@ def test_plan_batches_groups_same_jobs_and_keeps_reconstruction_alone(make_examp
     batches = plan_batches(units, 2)
     sizes = [(b[0].jobs, len(b)) for b in batches]
     assert sizes[:4] == [(((FULL, 0.0),), 2), (snap, 2), (((FULL, 0.0),), 2), (snap, 2)]
-    assert all(len(b) == 1 for b in batches if b[0].jobs == (("kvzip", 0.5),))
+    assert [len(b) for b in batches if b[0].jobs == (("kvzip", 0.5),)] == [2, 2]
     assert sum(len(b) for b in batches) == len(units)
     by_length = plan_batches(units[:4], 4, lambda unit: examples.index(unit.example) % 2)
     assert all(len({examples.index(u.example) % 2 for u in b}) == 1 for b in by_length)

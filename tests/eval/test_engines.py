@@ -48,7 +48,7 @@ def test_hf_refuses_tensor_parallelism_and_takes_everything_else():
         ({"methods": ("full", "kvzip")}, {}, r"method 'kvzip' cannot run in vLLM"),
         ({"methods": ("ada_snapkv",)}, {}, r"method 'ada_snapkv' cannot run in vLLM"),
         ({}, {"spelled": ("snapkv/scope=head",)}, r"sets scope=head: vLLM's blocks span"),
-        ({"methods": ("prob:kvzap",)}, {}, r"kvzap's scorer is not wired into the vLLM"),
+        ({"methods": ("kvzap",)}, {}, r"'kvzap' cannot run.*use topk:kvzap/scope=model"),
         # canonical names drop options equal to their defaults (scope=head, block=16): the
         # names as typed are checked too
         ({}, {"spelled": ("snapkv/scope=model/block=16",)}, r"sets block=16, but the engine"),
@@ -104,3 +104,24 @@ def test_vllm_model_checks_from_its_config(tmp_path):
         check_model(_folder(tmp_path, architectures=["Gemma3ForCausalLM"]))
     with pytest.raises(ValueError, match=r"sliding-window attention \(sliding_window=512\)"):
         check_model(_folder(tmp_path, sliding_window=512))
+
+
+def test_vllm_kvzap_needs_a_shipped_scorer_for_the_model(tmp_path):
+    """kvzap's scorer is found from the model's config (its identity); a model without one is
+    refused by name before any engine starts; other methods never read the config."""
+    from probkv.eval.engines import check_engine_model
+
+    folder = _folder(
+        tmp_path,
+        model_type="llama",
+        hidden_size=576,
+        num_hidden_layers=2,
+        intermediate_size=64,
+        vocab_size=100,
+    )
+    header = b"{}"  # an empty safetensors file: the folder is a model folder
+    (tmp_path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    run = config(engine="vllm", model=folder, methods=("full", "prob:kvzap"))
+    with pytest.raises(ValueError, match=r"'prob:kvzap' cannot run in vLLM.*no scorer for model"):
+        check_engine_model(run)
+    check_engine_model(config(engine="vllm", model=folder))

@@ -2,7 +2,7 @@
 
 Each sequence of a batch is scored and evicted on its own: per sequence, the greedy tokens,
 the kept entries and their log-weights equal that prompt's alone, whichever family of methods
-(top-k, ``prob:`` per head and global, Ada-KV); the bytes a batch holds are the sum of its
+(top-k, ``prob:`` per head and global, Ada-KV, reconstruction scores); the bytes a batch holds are the sum of its
 sequences' alone; what is not batched is refused by name.
 """
 
@@ -11,7 +11,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from probkv.hf import ProbKVCache, answer, compress, pad_left, prepare_model
+from probkv.hf import (
+    ProbKVCache,
+    RepeatPrompt,
+    answer,
+    compress,
+    pad_left,
+    prepare_model,
+    repeat_prompt,
+)
 from probkv.hf import attention as attention_module
 from probkv.models.testing import TINY_EOS_ID, tiny_model
 from probkv.policies import parse_method
@@ -182,8 +190,6 @@ def test_padding_after_the_prompt_is_refused_with_sliding_window_layers():
 def test_what_is_not_batched_is_refused_by_name():
     model = prepare_model(tiny_model("llama", seed=0))
     seqs = prompts(model.config.vocab_size)
-    with pytest.raises(ValueError, match="reconstruction pass"):
-        compress(model, seqs, parse_method("kvzip", ratio=0.5))
     ids, mask = pad_left(seqs)
     right = mask.flip(1)
     with pytest.raises(ValueError, match="left"):
@@ -207,8 +213,37 @@ def test_what_is_not_batched_is_refused_by_name():
         )
 
 
+# -- reconstruction scores (S10.1): each sequence's pass rows on their own ----------------------
+# Token ids of the repeat prompt's parts; the opening is 3 context ids.
+REPEAT = RepeatPrompt(first=(7, 8, 9), later=(10, 11), suffix=(12, 13), template_prefix=(5, 6, 20))
+BATCH_METHODS = ["kvzip", "prob:kvzip", "ada_kvzip", "topk:kvzip-plus", "prob:h2o-rec"]
+
+
+@pytest.mark.parametrize("method", BATCH_METHODS)
+def test_a_batch_is_reconstructed_and_evicted_each_sequence_as_alone(tiny, method):
+    """Contexts of different lengths (one without the template's opening), each read in a
+    different number of chunks: per sequence the same kept entries, log-weights and answer as
+    that context alone; the pass leaves the batch's cache as it was."""
+    model = tiny
+    contexts = prompts(model.config.vocab_size, lengths=(37, 22, 29))
+    for context in contexts[::2]:
+        context[:3] = torch.tensor(REPEAT.template_prefix)  # the opening is not reconstructed
+    policy = parse_method(f"{method}/chunk_tokens=10", ratio=0.5)
+    batch = compress(model, contexts, policy, repeat_prompt=REPEAT)
+    questions = [torch.tensor([31, 32, 33]), torch.tensor([34, 35, 36]), torch.tensor([37, 38, 39])]
+    answers = answer(model, batch, questions, max_new_tokens=4)
+    for b, context in enumerate(contexts):
+        alone = compress(model, context[None], policy, repeat_prompt=REPEAT)
+        assert_same_prefix(alone, batch, b)
+        assert batch.effective_ratio(sequence=b) == pytest.approx(alone.effective_ratio())
+        expected = answer(model, alone, questions[b][None], max_new_tokens=4)
+        assert until_eos(answers[b]) == until_eos(expected)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["snapkv", "prob:snapkv", "prob:min-h/scope=global"])
+@pytest.mark.parametrize(
+    "method", ["snapkv", "prob:snapkv", "prob:min-h/scope=global", "kvzip/chunk_tokens=64"]
+)
 def test_smollm2_batch_equals_alone(smollm2, method):
     """The real model: per sequence, the same greedy tokens and kept entries as alone."""
     model, tokenizer = smollm2
@@ -218,13 +253,14 @@ def test_smollm2_batch_equals_alone(smollm2, method):
     ids = tokenizer(prose_text(400, seed=1), return_tensors="pt").input_ids[0]
     seqs = [ids[:160], ids[40:150], ids[80:210]]
     policy = parse_method(method, ratio=0.5)
-    cache = compress(model, seqs, policy)
+    rec = {"repeat_prompt": repeat_prompt(tokenizer)} if method.startswith("kvzip") else {}
+    cache = compress(model, seqs, policy, **rec)
     held = cache.nbytes()  # before answering: answer leaves a tail buffer allocated
     question = [torch.tensor([13]), torch.tensor([13]), torch.tensor([13])]
     out = answer(model, cache, question, max_new_tokens=8)
     total = 0
     for b, seq in enumerate(seqs):
-        alone = compress(model, seq, policy)
+        alone = compress(model, seq, policy, **rec)
         total += alone.nbytes()
         assert_same_prefix(alone, cache, b)
         expected = answer(model, alone, question[b], max_new_tokens=8).tolist()

@@ -22,7 +22,7 @@ torch.set_num_threads(1)
 RATIO = 0.5
 # method_names() plus options that change the code path (scope, sampler, weights, correction)
 METHODS = [
-    # kvzap needs a scorer trained for the model (S11; tests/hf/test_scorer.py)
+    # kvzap needs a scorer trained for the model (S11; tests/hf/test_kvzap.py)
     *(m for m in method_names() if "kvzap" not in m),
     "h2o/recent=0.5",
     "snapkv/window=8/gqa=mixture",

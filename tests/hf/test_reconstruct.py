@@ -23,6 +23,7 @@ from probkv.hf import (
     capture_attention,
     compress,
     observe,
+    pad_left,
     prepare_model,
     reconstruct,
     repeat_prompt,
@@ -397,3 +398,38 @@ def test_kvzip_plus_equals_its_dense_oracle(tiny):
         got = obs.log_scores[:, forced:].double().exp()
         want = expected[i][:, forced:].clamp_min(FLOOR / (30 - forced))
         torch.testing.assert_close(got, want, rtol=2e-4, atol=1e-7)
+
+
+# -- batches (S11 batches; each sequence as alone: tests/hf/test_batch.py) ---------------
+def test_a_batch_pass_leaves_the_cache_bit_identical(tiny):
+    ids, mask = pad_left([context_ids(tiny, n, seed=n)[0] for n in (37, 19)])
+    cache = ProbKVCache(
+        tiny.config, ObserveOnly(score="kvzip", ratio=0.0, score_params={"chunk_tokens": 10})
+    )
+    with torch.no_grad():
+        tiny(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=(mask.cumsum(-1) - 1).clamp_min(0),
+            cache=cache,
+            use_cache=True,
+        )
+    before = snapshot(cache)
+    reconstruct(tiny, cache, ids, PROMPT)
+    assert_same(before, snapshot(cache))
+    assert not cache.awaiting_reconstruction
+    with pytest.raises(ValueError, match=r"shape \(1, 37\).*2 sequence\(s\) of 37"):
+        reconstruct(tiny, prefilled_batch(tiny, ids, mask), ids[:1], PROMPT)
+
+
+def prefilled_batch(model, ids, mask) -> ProbKVCache:
+    cache = ProbKVCache(model.config, ObserveOnly(score="kvzip", ratio=0.0, score_params={}))
+    with torch.no_grad():
+        model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=(mask.cumsum(-1) - 1).clamp_min(0),
+            cache=cache,
+            use_cache=True,
+        )
+    return cache

@@ -223,6 +223,28 @@ def test_kvzap_score_is_the_clamped_prediction_with_forced_sinks():
     assert sg.kvzap(key, value, layer_idx=0, surrogate=scorer, sinks=0).forced is None
 
 
+def test_a_scorer_split_over_ranks_sums_its_shares_to_the_unsplit_prediction():
+    """S11 under tensor parallelism: 3 ranks holding one KV head each; each rank's share of
+    every head's prediction, summed over the ranks (the all-reduce), then its own head's row,
+    is the unsplit kvzap score of that head, forced sinks included."""
+    scorer = _scorer(hkv=3)
+    g = torch.Generator().manual_seed(10)
+    key, value = torch.randn(3, 12, 4, generator=g), torch.randn(3, 12, 4, generator=g)
+    whole = sg.kvzap(key, value, layer_idx=3, surrogate=scorer, sinks=2)
+    shares = [
+        sg.ScorerShard(scorer, r, 1, lambda x: x).partial(3, key[r : r + 1], value[r : r + 1])
+        for r in range(3)
+    ]
+    total = sum(shares)
+    for r in range(3):
+        shard = sg.ScorerShard(scorer, r, 1, lambda x, mine=shares[r]: x - mine + total)
+        out = sg.kvzap(key[r : r + 1], value[r : r + 1], layer_idx=3, surrogate=shard, sinks=2)
+        torch.testing.assert_close(out.log_scores, whole.log_scores[r : r + 1], atol=1e-5, rtol=0)
+        assert torch.equal(out.forced, whole.forced[r : r + 1])
+    with pytest.raises(ValueError, match=r"KV heads 1..1 needs keys \[1, t, d\]"):
+        sg.ScorerShard(scorer, 1, 1, lambda x: x).partial(3, key, value)
+
+
 def test_kvzap_refuses_by_name():
     scorer = _scorer()
     key = torch.randn(2, 6, 4)

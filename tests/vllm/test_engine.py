@@ -20,7 +20,7 @@ from probkv.eval.store import ROW_FIELDS, read_results
 from probkv.models import resolve_model
 from probkv.vllm.engine import BLOCK_SIZE, _position_bytes_guess
 
-METHODS = (FULL, "snapkv", "prob:snapkv")
+METHODS = (FULL, "snapkv", "prob:snapkv", "prob:kvzap")  # kvzap: the shipped scorer
 
 
 def _config(engine: str) -> RunConfig:

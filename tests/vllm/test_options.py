@@ -7,6 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from probkv.scores.scorer_lookup import has_scorer
+from probkv.scores.surrogate import shipped_scorers
 from probkv.vllm import engine_options, request_options
 from probkv.vllm.options import (
     DEFAULT_WORKER,
@@ -51,13 +53,61 @@ def test_the_model_wide_policy_takes_the_engines_block_size():
         ("ada_snapkv", "scope=model"),
         ("prob:snapkv/scope=head", "scope=head"),
         ("snapkv/block=16", "block=16.*hold 32"),
-        ("kvzap", "kvzap"),
         ("nonsense", "nonsense"),
     ],
 )
 def test_methods_vllm_cannot_run_are_refused_by_name(method, match):
     with pytest.raises(ValueError, match=match):
         policy_for(method, 0.5, 32)
+
+
+def smollm2_config(**changes):
+    """A config with SmolLM2's identity fields (those its shipped scorer was trained for),
+    read by attribute as vLLM's ``hf_config`` is."""
+    (scorer,) = [s for s in shipped_scorers() if s.name == "smollm2-135m"]
+    fields = {**scorer.model["shapes"], "architectures": ["LlamaForCausalLM"]}
+    return SimpleNamespace(**{**fields, "sliding_window": None, **changes})
+
+
+@pytest.mark.parametrize("method", ["prob:kvzap", "topk:kvzap", "topk:kvzap/scope=model"])
+def test_kvzap_gets_the_models_shipped_scorer(method):
+    model = smollm2_config()
+    assert has_scorer(model)
+    policy = policy_for(method, 0.5, 32, model)
+    assert policy.scope == "model" and policy.block == 32 and policy.score == "kvzap"
+    assert policy.score_params["surrogate"].name == "smollm2-135m"
+    assert "surrogate" not in policy_for(method, 0.5, 32).score_params  # no model: name only
+
+
+def test_kvzap_is_refused_by_name_without_a_scorer_or_kv_heads_that_split_over_the_ranks():
+    other = smollm2_config(num_hidden_layers=31, _name_or_path="my/llama")
+    with pytest.raises(
+        ValueError, match=r"'topk:kvzap' cannot run in vLLM.*no scorer for model 'my/llama'"
+    ):
+        policy_for("topk:kvzap", 0.5, 32, other)
+    # KVzip's recipe (global and Ada-KV budgets) has no model-wide form: the top-k is named
+    with pytest.raises(ValueError, match=r"'kvzap'.*use topk:kvzap/scope=model"):
+        policy_for("kvzap", 0.5, 32, smollm2_config())
+    # SmolLM2's 3 KV heads split over 3 ranks, not over 9 (vLLM would copy them)
+    assert policy_for("prob:kvzap", 0.5, 32, smollm2_config(), 3).score == "kvzap"
+    with pytest.raises(ValueError, match=r"'prob:kvzap'.*tensor_parallel_size=9: the model's 3 KV"):
+        policy_for("prob:kvzap", 0.5, 32, smollm2_config(), 9)
+    policy_for("prob:snapkv", 0.5, 32, other, 9)  # other scores: no scorer
+    engine = {"additional_config": {"probkv": {"method": "prob:kvzap", "ratio": 0.5}}}
+    assert check_engine(config(**engine, model_config=SimpleNamespace(hf_config=smollm2_config())))
+    with pytest.raises(ValueError, match="no scorer for model 'my/llama'"):
+        check_engine(config(**engine, model_config=SimpleNamespace(hf_config=other)))
+    parallel = SimpleNamespace(
+        pipeline_parallel_size=1, worker_cls=DEFAULT_WORKER, tensor_parallel_size=9
+    )
+    with pytest.raises(ValueError, match="tensor_parallel_size=9"):
+        check_engine(
+            config(
+                **engine,
+                model_config=SimpleNamespace(hf_config=smollm2_config()),
+                parallel_config=parallel,
+            )
+        )
 
 
 def test_options_are_checked_by_name():

@@ -112,6 +112,54 @@ def test_greedy_decoding_equals_the_transformers_integration_under_the_same_sele
     assert 0 < cache.effective_ratio() < 1
 
 
+@pytest.mark.parametrize(("method", "ratio"), [("prob:kvzap", 0.5), ("topk:kvzap", 0.75)])
+def test_kvzap_keeps_the_blocks_and_decodes_as_the_transformers_integration(
+    engine, prompt, method, ratio, monkeypatch
+):
+    """kvzap (S11) with SmolLM2's shipped scorer, found from vLLM's hf_config: its scores come
+    from the keys and values vLLM cached (post-RoPE keys: kvzap reads only their RoPE pair
+    norms, which RoPE preserves), so the kept blocks and weights are the transformers
+    integration's under the same scope=model selection, and so are greedy tokens and
+    log-probs."""
+    from probkv.hf.cache import EvictingLayer
+    from probkv.vllm.requests import RequestEviction
+
+    llm, _ = engine
+    vllm_kept, hf_kept = [], []
+    select, evict = RequestEviction.select, EvictingLayer.evict
+
+    def vllm_select(self, *args, **kwargs):
+        vllm_kept.append(select(self, *args, **kwargs))
+        assert self.policy.score_params["surrogate"].name == "smollm2-135m"
+        return vllm_kept[-1]
+
+    def hf_evict(self, selection):
+        hf_kept.append(selection.head(0))
+        return evict(self, selection)
+
+    monkeypatch.setattr(RequestEviction, "select", vllm_select)
+    monkeypatch.setattr(EvictingLayer, "evict", hf_evict)
+    tokens, logprobs = vllm_greedy(llm, prompt, method, ratio)
+    hf_tokens, hf_logprobs, cache = hf_greedy(prompt, method, ratio)
+    assert len(vllm_kept) == 1 and hf_kept  # one request, selected once
+    kept = vllm_kept[0]
+    hf_positions, hf_logw = hf_kept[0]
+    assert torch.equal(kept.positions, hf_positions.cpu())
+    if hf_logw is None:
+        assert not kept.log_weights.any()
+    else:
+        torch.testing.assert_close(kept.log_weights, hf_logw.float().cpu(), rtol=0, atol=1e-5)
+    assert len(kept.freed) > 0
+    assert tokens == hf_tokens
+    torch.testing.assert_close(
+        torch.tensor(logprobs, dtype=torch.float64),
+        torch.tensor(hf_logprobs, dtype=torch.float64),
+        rtol=0,
+        atol=1e-4,
+    )
+    assert 0 < cache.effective_ratio() < 1
+
+
 def test_evicted_blocks_return_to_the_pool(engine, prompt):
     llm, report = engine
     pool = scheduler(llm).kv_cache_manager.block_pool
@@ -175,4 +223,25 @@ def test_bad_engine_options_are_refused_by_name_before_the_model_loads(extra, ma
             enforce_eager=True,
             kv_cache_memory_bytes=64 << 20,
             **extra,
+        )
+
+
+def test_kvzap_is_refused_by_name_for_a_model_without_a_scorer(tmp_path):
+    """A model whose identity no shipped scorer has (SmolLM2's files with another RoPE base):
+    refused by name, before the model loads."""
+    source = resolve_model("smollm2-135m").path
+    for item in source.iterdir():
+        (tmp_path / item.name).symlink_to(item)
+    config = json.loads((source / "config.json").read_text())
+    (tmp_path / "config.json").unlink()
+    rope = {"rope_theta": 12345.0, "rope_type": "default"}
+    (tmp_path / "config.json").write_text(json.dumps({**config, "rope_parameters": rope}))
+    with pytest.raises(Exception, match=r"'prob:kvzap' cannot run in vLLM: .*no scorer for model"):
+        vllm.LLM(
+            model=str(tmp_path),
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=1024,
+            kv_cache_memory_bytes=64 << 20,
+            **engine_options("prob:kvzap", 0.5),
         )

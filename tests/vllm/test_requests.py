@@ -4,6 +4,7 @@ or not, split over tensor-parallel ranks or not; decode attention against Algori
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -12,8 +13,14 @@ import torch
 
 from probkv.estimation import corrected_attention_reference
 from probkv.policies import parse_method, select_layers
+from probkv.scores import surrogate as sg
 from probkv.scores.observation import observe_layer
-from probkv.vllm.requests import RequestEviction, decode_attention, visible_positions
+from probkv.vllm.requests import (
+    RequestEviction,
+    decode_attention,
+    tensor_parallel_policy,
+    visible_positions,
+)
 
 LAYERS = (0, 1, 2)
 HQ, HKV, D, T, BLOCK = 4, 2, 8, 45, 4
@@ -71,6 +78,38 @@ def test_kept_prefix_equals_the_transformers_selection(method, chunks):
             assert torch.equal(sel.head(h)[0], positions)
 
 
+def kvzap_policy(method: str, ratio: float):
+    """``method`` (a kvzap policy) with a random scorer of these shapes (every KV head's value
+    and key pair norms -> each KV head's log-score, per layer)."""
+    g = torch.Generator().manual_seed(5)
+    f = HKV * (D + D // 2)
+    layers = {
+        i: sg.LinearSurrogate(
+            torch.zeros(f), torch.ones(f), 0.5 * torch.randn(f, HKV, generator=g), -torch.ones(HKV)
+        )
+        for i in LAYERS
+    }
+    model = {"name": "toy", "shapes": {}, "digest": "0" * 16}
+    policy = parse_method(f"{method}/scope=model/block={BLOCK}", ratio)
+    params = {**policy.score_params, "surrogate": sg.SurrogateScorer("kv", layers, model, {})}
+    return dataclasses.replace(policy, score_params=params)
+
+
+@pytest.mark.parametrize("method", ["prob:kvzap", "topk:kvzap"])
+@pytest.mark.parametrize("chunks", [(), (20,), (7, 30, 44)])
+def test_kvzap_kept_prefix_equals_the_transformers_selection(method, chunks):
+    """kvzap's scores are a function of each position's keys and values (every KV head's):
+    read from the whole prompt's entries at the last chunk, they are observe_layer's."""
+    policy = kvzap_policy(method, 0.5)
+    layer_tensors = tensors(4)
+    kept = run(policy, layer_tensors, chunks)
+    positions, logw = reference(policy, layer_tensors)[0].head(0)
+    assert torch.equal(kept.positions, positions)
+    expected = torch.zeros(positions.shape) if logw is None else logw
+    torch.testing.assert_close(kept.log_weights, expected, rtol=1e-5, atol=1e-5)
+    assert kept.positions[:4].tolist() == [0, 1, 2, 3]  # the sinks are forced
+
+
 @pytest.mark.parametrize("method", ["snapkv/window=8", "prob:snapkv/window=8", "prob:h2o"])
 def test_two_tensor_parallel_ranks_make_the_unsplit_selection(method):
     """Each rank observes its own KV heads; gathering the heads' observations (an all-gather
@@ -89,6 +128,43 @@ def test_two_tensor_parallel_ranks_make_the_unsplit_selection(method):
                heads=slice(0, 1))  # fmt: skip
     ref = reference(policy, layer_tensors)[0].head(0)[0]
     assert torch.equal(kept.positions, ref)
+
+
+@pytest.mark.parametrize("method", ["prob:kvzap", "topk:kvzap"])
+def test_two_tensor_parallel_ranks_make_the_unsplit_kvzap_selection(method):
+    """kvzap's scorer reads every KV head at a position: each rank (one KV head of two) adds
+    its share of every head's prediction to the other's (the all-reduce, here the other
+    rank's shares in layer order), observes its own head, and the gathered observations give
+    the unsplit selection."""
+    policy = kvzap_policy(method, 0.5)
+    layer_tensors = tensors(6)
+    shards = [tensor_parallel_policy(policy, r, 2, None).score_params["surrogate"] for r in (0, 1)]
+    assert [(s.first, s.count) for s in shards] == [(0, 1), (1, 1)]
+    shares = [
+        [
+            shard.partial(i, k[r : r + 1], v[r : r + 1])
+            for i, (_, k, v) in zip(LAYERS, layer_tensors)
+        ]
+        for r, shard in enumerate(shards)
+    ]
+
+    def ranked(rank):
+        other = iter(shares[1 - rank])
+        return tensor_parallel_policy(policy, rank, 2, lambda x: x + next(other))
+
+    recorded: list[torch.Tensor] = []
+    run(ranked(1), layer_tensors, (20,), gather=lambda x: recorded.append(x) or x,
+        heads=slice(1, 2))  # fmt: skip
+    theirs = iter(recorded)
+    kept = run(ranked(0), layer_tensors, (20,), gather=lambda x: torch.cat([x, next(theirs)]),
+               heads=slice(0, 1))  # fmt: skip
+    positions, logw = reference(policy, layer_tensors)[0].head(0)
+    assert torch.equal(kept.positions, positions)
+    expected = torch.zeros(positions.shape) if logw is None else logw
+    torch.testing.assert_close(kept.log_weights, expected, rtol=1e-5, atol=1e-5)
+    assert tensor_parallel_policy(policy, 0, 1, None) is policy
+    with pytest.raises(ValueError, match="2 KV heads do not split over them"):
+        tensor_parallel_policy(policy, 0, 4, None)
 
 
 def test_freed_blocks_are_the_evicted_blocks_inside_the_prompt():

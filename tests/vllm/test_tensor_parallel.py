@@ -1,7 +1,8 @@
 """Tensor parallelism: every rank observes its own KV heads, the observations are gathered over
 the TP group, and every rank applies the same selection: TP 3 (SmolLM2 has 9 query and 3 KV
-heads, so 2 does not divide them) gives TP 1's tokens, log-probs and freed blocks in float32.
-Each engine runs in a subprocess (vLLM's workers are spawned processes)."""
+heads, so 2 does not divide them) gives TP 1's tokens, log-probs and freed blocks in float32,
+kvzap included (each rank's share of every head's prediction summed over the group). Each
+engine runs in a subprocess (vLLM's workers are spawned processes)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ llm = vllm.LLM(model=str(resolve_model("smollm2-135m").path), dtype="float32", e
                max_model_len=1024, kv_cache_memory_bytes=128 << 20,
                tensor_parallel_size=tp, seed=0, **engine_options("prob:snapkv", 0.5, report=report))
 out = {}
-for method in ("prob:snapkv", "tova"):
+for method in ("prob:snapkv", "tova", "prob:kvzap", "topk:kvzap"):
     params = vllm.SamplingParams(temperature=0, max_tokens=6, logprobs=0,
                                  extra_args=request_options(method, 0.5))
     o = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0]

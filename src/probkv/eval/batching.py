@@ -7,8 +7,8 @@ exactly as alone, and their answers decoded together (``probkv.hf.answer``). The
 rows of batch size 1 (same predictions under greedy decoding, same kept counts, bytes and
 ratios per example); ``prefill_s`` and ``decode_s`` are the batch's times divided by its size.
 
-What stays one example at a time (a batch of one): methods whose score reads a reconstruction
-pass (``kvzip``, S10.1, not batched by ``probkv.hf``). With a model that has sliding-window
+Methods whose score reads a reconstruction pass (``kvzip``, S10.1) run it for the batch, one
+forward per round of chunks (``probkv.hf.reconstruct``). With a model that has sliding-window
 layers (Gemma-3), only examples whose questions have the same length are batched (their
 padding would fall inside the window: ``probkv.hf.guards.check_padding``).
 """
@@ -33,7 +33,7 @@ from probkv.eval.job import (
     run_unit,
 )
 from probkv.eval.plan import Unit
-from probkv.hf import answer, compress, observe, pad_left
+from probkv.hf import answer, compress, observe, pad_left, repeat_prompt
 from probkv.policies import parse_method
 from probkv.scores import needs_reconstruction
 
@@ -45,10 +45,7 @@ def plan_batches(units: Sequence[Unit], batch_size: int, question_length=None) -
     batches: list[list[Unit]] = []
     open_batches: dict[Any, list[Unit]] = {}
     for unit in units:
-        alone = batch_size == 1 or any(
-            m != FULL and needs_reconstruction(parse_method(m, r).score) for m, r in unit.jobs
-        )
-        if alone:
+        if batch_size == 1:
             batches.append([unit])
             continue
         length = None if question_length is None else question_length(unit)
@@ -85,14 +82,15 @@ def run_batch(
         yield from rows(FULL, jobs[0][1], *_run_full(model, befores, afters, gen_kw))
         return
     first = parse_method(*jobs[0])
+    rec = {"repeat_prompt": repeat_prompt(tokenizer)} if needs_reconstruction(first.score) else {}
     if len(jobs) == 1:
         start = time.perf_counter()
-        cache = compress(model, befores, first)
+        cache = compress(model, befores, first, **rec)
         prefill_s = (time.perf_counter() - start) / size
         yield from rows(*jobs[0], *_decode(model, cache, afters, gen_kw, prefill_s, 1))
         return
     start = time.perf_counter()
-    observed = observe(model, befores, first.score, first.score_params)
+    observed = observe(model, befores, first.score, first.score_params, **rec)
     shared_s = (time.perf_counter() - start) / size
     for i, (method, ratio) in enumerate(jobs):
         start = time.perf_counter()

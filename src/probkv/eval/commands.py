@@ -102,8 +102,7 @@ def _add_eval(subparsers: argparse._SubParsersAction) -> None:
         type=positive_int,
         default=1,
         help="examples with the same jobs run together as one left-padded batch, each "
-        "evicted on its own (same results; reconstruction scores such as kvzip run one at a "
-        "time; default 1)",
+        "evicted on its own (same results, kvzip's reconstruction pass included; default 1)",
     )
     ev.add_argument(
         "--force",

@@ -23,7 +23,7 @@ from typing import Any
 from probkv.eval.config import FULL, RunConfig
 from probkv.eval.job import JobSettings, common_fields, job_prompt_ids, job_row
 from probkv.eval.plan import Unit
-from probkv.models import resolve_model
+from probkv.models import load_model_config, resolve_model
 
 
 def check_engine_run(
@@ -82,18 +82,28 @@ def check_engine_run(
         )
     from probkv.vllm.engine import check_methods  # pure: imports nothing of vLLM
 
-    check_methods([m for m in (*spelled, *config.methods) if m != FULL], config.ratios)
+    check_methods(
+        [m for m in (*spelled, *config.methods) if m != FULL],
+        config.ratios,
+        tensor_parallel_size=tensor_parallel_size or 1,
+    )
 
 
 def check_engine_model(config: RunConfig, *, tensor_parallel_size: int | None = None) -> None:
     """With ``vllm``, refuse a model the plugin cannot run, or whose heads do not divide over
-    the ranks, from its ``config.json`` (``probkv.vllm.engine.check_model``); nothing with
-    ``hf``."""
+    the ranks, from its ``config.json`` (``probkv.vllm.engine.check_model``), or that a kvzap
+    method has no shipped scorer for (its config's identity) or whose KV heads do not split
+    over the ranks; nothing with ``hf``."""
     if config.engine != "vllm":
         return
-    from probkv.vllm.engine import check_model  # pure: imports nothing of vLLM
+    from probkv.vllm.engine import check_methods, check_model, scorer_methods  # pure
 
-    check_model(str(resolve_model(config.model).path), tensor_parallel_size or 1)
+    path, ranks = str(resolve_model(config.model).path), tensor_parallel_size or 1
+    check_model(path, ranks)
+    methods = scorer_methods([m for m in config.methods if m != FULL], config.ratios)
+    if methods:
+        model = load_model_config(path)
+        check_methods(methods, config.ratios, model=model, tensor_parallel_size=ranks)
 
 
 def vllm_rows(

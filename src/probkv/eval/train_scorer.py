@@ -37,8 +37,8 @@ from probkv.eval.prompt import prompt_token_ids
 from probkv.eval.tasks import TASK_NAMES
 from probkv.eval.tasks.generate import generate_examples
 from probkv.hf import observe, repeat_prompt
-from probkv.hf.scorer import model_identity
 from probkv.scores import surrogate as sg
+from probkv.scores.scorer_lookup import model_identity
 
 # Seeds of the generated training tasks start here; evaluations use small seeds (0 by
 # default, tests/eval/test_train_scorer.py checks every default).

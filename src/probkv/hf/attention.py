@@ -41,7 +41,7 @@ from probkv.hf.decode_budget import (
     sequence_probabilities,
 )
 from probkv.hf.eviction import evict_decode_stage
-from probkv.hf.prefill import observe_prompt_chunk
+from probkv.hf.prefill import observe_prompt_chunk, prompt_pads
 from probkv.scores import needs_reconstruction
 from probkv.scores.observation import (
     causal_offset_mask,
@@ -130,15 +130,19 @@ def batch_attention(
     """``layer_attention`` for a batch: query ``[B, Hq, q, d]``, the dense tail ``key``/
     ``value [B, Hkv, n, d]``, the forward's 4D ``mask`` (left padding; ``None``: none) ->
     ``[B, Hq, q, d_v]``. A prompt forward observes each sequence on its unpadded rows
-    (``probkv.hf.prefill``); after eviction every (sequence, KV head) segment of the layer
-    attends in one call (``batched_evicted_attention``; with a decode budget,
-    ``batched_budget_attention``). Reconstruction scores are refused for batches before any
-    forward (``guards.check_batch_supported``)."""
+    (``probkv.hf.prefill``), and a reconstruction score's pass scores each sequence on its own
+    rows (``probkv.hf.reconstruct``); after eviction every (sequence, KV head) segment of the
+    layer attends in one call (``batched_evicted_attention``; with a decode budget,
+    ``batched_budget_attention``)."""
     layer.attention_done()
     if layer.sequence_layers is not None:
         return batched_budget_attention(layer, query, scale, mask)
     if layer.state is LayerState.EVICTED:
         return batched_evicted_attention(layer, query, scale, mask)
+    if layer.state is LayerState.RECONSTRUCTING:  # S10.1, probkv.hf.reconstruct.BatchScoring
+        return layer.scoring.attend(layer, query, scale)
+    if layer.state is LayerState.PREFILL and needs_reconstruction(layer.policy.score):
+        return await_reconstruction(layer, query, key, value, scale, mask)
     if layer.state is LayerState.PREFILL:
         return observe_prompt_chunk(layer, query, key, value, scale, mask)
     if layer.state is not LayerState.OBSERVED:
@@ -149,6 +153,28 @@ def batch_attention(
         start = max(0, pad - (t - q_len))
         out = dense_causal_attention(query[b, :, start:], key[b, :, pad:], value[b, :, pad:], scale)
         outs.append(torch.cat([out.new_zeros(out.shape[0], start, out.shape[2]), out], dim=1))
+    return torch.stack(outs)
+
+
+def await_reconstruction(layer, query, key, value, scale: float, mask) -> torch.Tensor:
+    """The prefill of a reconstruction score in a batch (S10.1, S11 batches): each sequence's
+    dense causal attention on its rows without padding (zero on padding rows), and its ``p_t``
+    kept for the report until the pass has run, as alone."""
+    batch, _, q_len, _ = query.shape
+    t = key.shape[2]
+    layer.prompt.pads = pads = prompt_pads(mask, batch, t)
+    if q_len != t:
+        raise ValueError(
+            f"score {layer.policy.score!r} in a batch reads its prompt in one forward ({q_len} "
+            f"of {t} tokens given): compress the batch with probkv.hf.compress, which does"
+        )
+    outs, last = [], []
+    for b, pad in enumerate(pads):
+        q, k, v = query[b, :, pad:], key[b, :, pad:], value[b, :, pad:]
+        last.append(last_query_attention(q, k, scale))
+        out = dense_causal_attention(q, k, v, scale)
+        outs.append(torch.cat([out.new_zeros(out.shape[0], pad, out.shape[2]), out], dim=1))
+    layer.awaits_reconstruction(last)
     return torch.stack(outs)
 
 

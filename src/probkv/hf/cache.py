@@ -49,8 +49,8 @@ from probkv.hf.eviction import evict_layers
 from probkv.hf.prefill import ObserveOnly, PromptReading
 from probkv.hf.prefix import DenseTail, RaggedPrefix, kept_prefix
 from probkv.hf.report import LayerReport
-from probkv.hf.scorer import with_scorer
 from probkv.policies.base import EvictionPolicy, LayerObservation
+from probkv.scores.scorer_lookup import with_scorer
 
 __all__ = ["EvictingLayer", "LayerReport", "LayerState", "ObserveOnly", "ProbKVCache"]
 
@@ -368,9 +368,10 @@ class EvictingLayer(CacheLayerMixin):
         """What the latest eviction left, per sequence (``probkv.hf.eviction.apply_selection``)."""
         self.sequence_reports = list(reports)
 
-    def awaits_reconstruction(self, last_query_attention: torch.Tensor) -> None:
-        """The prefill of a reconstruction score (S10.1): keep ``p_t`` for the report and wait
-        for the pass (``PREFILL`` -> ``AWAITING_RECONSTRUCTION``)."""
+    def awaits_reconstruction(self, last_query_attention: torch.Tensor | list) -> None:
+        """The prefill of a reconstruction score (S10.1): keep ``p_t`` (a batch: one per
+        sequence) for the report and wait for the pass (``PREFILL`` ->
+        ``AWAITING_RECONSTRUCTION``)."""
         if self.state is not LayerState.PREFILL:
             raise RuntimeError(f"layer {self.layer_idx}: prefill seen twice ({self.state.name})")
         self.prompt.last_query_attention = last_query_attention
@@ -489,8 +490,6 @@ class ProbKVCache(Cache):
             first = self.layers[self.evicting_layers[0]]
             if first.is_initialized and key_states.shape[0] != first.batch_size:
                 raise ValueError(guards.batch_message(key_states, first.batch_size))
-            if key_states.shape[0] > 1 and not first.is_initialized:
-                guards.check_batch_supported(self.policy)
             self._start_forward(key_states.shape[-2], kwargs.get("kwargs"))
         if layer_idx == 0 and self.awaiting_reconstruction:
             raise ValueError(

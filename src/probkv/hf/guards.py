@@ -12,9 +12,8 @@
 - A cache built from another model's config (:func:`check_layer_index`,
   :func:`check_layers_used`, :func:`check_same_layers`): named with both layer counts.
 - A forward whose batch size is not the cache's (:func:`batch_message`: beam search and
-  several returned sequences copy sequences), and what is not batched yet
-  (:func:`check_batch_supported`: reconstruction scores; :func:`check_budget_padding`:
-  padded new tokens of a batch held to a decode budget).
+  several returned sequences copy sequences), and what is not batched
+  (:func:`check_budget_padding`: padded new tokens of a batch held to a decode budget).
 - ``model.generate`` on a prompt that does not begin with the ids the cache holds
   (:func:`check_generation_ids`: ``probkv.hf.prepare_model`` makes ``generate`` call it
   with the whole prompt, before transformers slices off what the cache holds).
@@ -157,16 +156,6 @@ def check_padding(attention_mask: torch.Tensor | None, layers: Sequence) -> None
             f"after ones), and the model's sliding-window layers ({len(sliding)}, e.g. layer "
             f"{sliding[0]}) would count that padding inside their window: give every "
             "sequence new tokens of the same length (or run them one at a time)"
-        )
-
-
-def check_batch_supported(policy: EvictionPolicy) -> None:
-    """A batch of several sequences (each evicted on its own, S11 batches) is refused, by
-    name, for what the batched integration does not do: a reconstruction pass (S10.1)."""
-    if needs_reconstruction(policy.score):
-        raise ValueError(
-            f"score {policy.score!r} reads a reconstruction pass (S10.1), which is not "
-            "batched: compress the prompts one at a time"
         )
 
 

@@ -135,16 +135,41 @@ class LayerScoring:
         itself (causal), folding its statistics into ``stats``."""
         if self.keys is None:
             raise RuntimeError(f"layer {layer.layer_idx}: no reconstruction chunk was given")
-        t = layer.tail_length
-        keys = torch.cat([layer.tail_keys[0], self.keys[0]], dim=1)
-        values = torch.cat([layer.tail_values[0], self.values[0]], dim=1)
-        self.keys = self.values = None
-        row_weights = column_weights = None
+        chunk_keys, chunk_values, row_weights = self.keys[0], self.values[0], self.row_weights
+        self.keys = self.values = self.row_weights = None
+        return self.attend_rows(
+            layer.tail_keys[0],
+            layer.tail_values[0],
+            query,
+            chunk_keys,
+            chunk_values,
+            scale,
+            None if row_weights is None else row_weights[0],
+        )
+
+    def attend_rows(
+        self,
+        context_keys: torch.Tensor,
+        context_values: torch.Tensor,
+        query: torch.Tensor,
+        chunk_keys: torch.Tensor,
+        chunk_values: torch.Tensor,
+        scale: float,
+        row_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One sequence's chunk rows ``query [Hq, n, d]`` over its context's entries
+        (``[Hkv, t, d]``, no padding) and the chunk's own (``[Hkv, n, d]``), causal ->
+        ``[Hq, n, d_v]``; the statistics follow. ``row_weights [n]``: KVzip+'s ``1 / ||h||``."""
+        t = context_keys.shape[1]
+        keys = torch.cat([context_keys, chunk_keys], dim=1)
+        values = torch.cat([context_values, chunk_values], dim=1)
+        column_weights = None
         if self.o_weight is not None:
             if self.column_weights is None:
-                self.column_weights = output_norms(self.o_weight, layer.tail_values[0])
-            row_weights, column_weights = self.row_weights, self.column_weights
-            self.row_weights = None
+                self.column_weights = output_norms(self.o_weight, context_values)
+            column_weights = self.column_weights
+        else:
+            row_weights = None
         out, max_attention, sum_attention, max_weighted = reconstruction_attention(
             query,
             keys,
@@ -173,12 +198,50 @@ class LayerScoring:
         return out
 
 
+class BatchScoring:
+    """A layer's state during the pass over a batch (S11 batches): one ``LayerScoring`` per
+    sequence, each fed only its own chunk rows against its own context without padding, so
+    every sequence gathers the statistics it gathers alone. A round's chunks are padded on the
+    right (``chunk_lengths``: each sequence's real rows; 0: it has no chunk this round)."""
+
+    def __init__(self, sequences: list[LayerScoring], pads: list[int]) -> None:
+        self.sequences = sequences
+        self.pads = pads
+        self.chunk_lengths: list[int] = [0] * len(sequences)
+        self.keys: torch.Tensor | None = None  # [B, Hkv, n, d], the round's, set by update
+        self.values: torch.Tensor | None = None
+        self.row_weights: torch.Tensor | None = None  # [B, n] (KVzip+)
+
+    def attend(self, layer: EvictingLayer, query: torch.Tensor, scale: float) -> torch.Tensor:
+        """The round's output ``[B, Hq, n, d_v]`` (zero on padding rows)."""
+        if self.keys is None:
+            raise RuntimeError(f"layer {layer.layer_idx}: no reconstruction chunk was given")
+        keys, values, row_weights = self.keys, self.values, self.row_weights
+        self.keys = self.values = self.row_weights = None
+        out = query.new_zeros(*query.shape[:3], values.shape[-1])
+        for b, (scoring, n, pad) in enumerate(zip(self.sequences, self.chunk_lengths, self.pads)):
+            if n == 0:
+                continue
+            out[b, :, :n] = scoring.attend_rows(
+                layer.tail_keys[b, :, pad:],
+                layer.tail_values[b, :, pad:],
+                query[b, :, :n],
+                keys[b, :, :n],
+                values[b, :, :n],
+                scale,
+                None if row_weights is None else row_weights[b, :n],
+            )
+        return out
+
+
 @torch.no_grad()
 def reconstruct(
     model, cache, context_ids: torch.Tensor, prompt: RepeatPrompt | None = None
 ) -> None:
     """Run the reconstruction pass over the prefilled ``cache`` (``context_ids [1, t]``, the
     tokens it holds) and give every evicting layer its observation of the cache's score.
+    A left-padded batch (``[B, t]``, S11 batches) runs each sequence's chunks together, one
+    forward per round (``_rounds``), and each sequence is scored on its own as alone.
 
     ``prompt``: from ``repeat_prompt(tokenizer)``. ``None`` feeds the context again with no
     instruction (``RepeatPrompt()``) and warns: KVzip's prompt needs the tokenizer.
@@ -197,69 +260,117 @@ def reconstruct(
             stacklevel=3,
         )
         prompt = RepeatPrompt()
-    ids = [int(i) for i in context_ids.reshape(-1).tolist()]
-    t = layers[0].tail_length
-    if len(ids) != t:
-        raise ValueError(f"context_ids has {len(ids)} tokens but the cache holds {t}")
+    batch, t = layers[0].batch_size, layers[0].tail_length
+    if context_ids.ndim == 1:
+        context_ids = context_ids.unsqueeze(0)
+    if context_ids.ndim != 2 or tuple(context_ids.shape) != (batch, t):
+        raise ValueError(
+            f"context_ids has shape {tuple(context_ids.shape)} but the cache holds {batch} "
+            f"sequence(s) of {t} tokens: pass the [B, t] ids it was prefilled with"
+        )
     params = cache.policy.score_params
     chunk_tokens = int(params.get("chunk_tokens", DEFAULT_CHUNK_TOKENS))
-    start = prompt.context_start(ids)
-    chunks = reconstruction_chunks(
-        ids,
-        first=prompt.first,
-        later=prompt.later,
-        suffix=prompt.suffix,
-        context_start=start,
-        chunk_tokens=chunk_tokens,
-    )
+    pads = layers[0].pads
+    contexts = [[int(i) for i in context_ids[b, pad:].tolist()] for b, pad in enumerate(pads)]
+    starts = [prompt.context_start(ids) for ids in contexts]
+    chunks = [
+        reconstruction_chunks(
+            ids,
+            first=prompt.first,
+            later=prompt.later,
+            suffix=prompt.suffix,
+            context_start=start,
+            chunk_tokens=chunk_tokens,
+        )
+        for ids, start in zip(contexts, starts)
+    ]
     # calibrated weights (S9) fit to about DEFAULT_REFERENCE_ROWS rows per query head, evenly
-    # spread over the pass
-    every = reference_stride(sum(len(c.input_ids) for c in chunks))
-    scorings = [LayerScoring(start, chunk_tokens, every) for _ in layers]
+    # spread over each sequence's pass
+    every = [reference_stride(sum(len(c.input_ids) for c in seq)) for seq in chunks]
+
+    def sequence_scorings() -> list[LayerScoring]:
+        return [LayerScoring(s, chunk_tokens, k) for s, k in zip(starts, every)]
+
+    if batch == 1:
+        scorings = [sequence_scorings()[0] for _ in layers]
+    else:
+        scorings = [BatchScoring(sequence_scorings(), pads) for _ in layers]
     hooks = []
     if score_fns.score_spec(cache.policy.score).output_weighted:  # KVzip+ (S11)
         hooks = _weigh_by_output(model, layers, scorings)
     try:
-        for chunk in chunks:
-            _run_chunk(model, cache, layers, scorings, chunk.input_ids, context_ids.device)
+        for inputs in _rounds(chunks, scorings, pads, t, context_ids.device):
+            _run_chunk(model, cache, layers, scorings, inputs)
     finally:
         for hook in hooks:
             hook.remove()
+    name = cache.policy.score
+    kwargs = {k: v for k, v in params.items() if k in score_fns.score_param_names(name)}
     for layer, scoring in zip(layers, scorings):
-        name = cache.policy.score
-        scores = score_fns.compute_scores(
-            name,
-            None,
-            layer.tail_keys[0],
-            layer.tail_values[0],
-            scale=scoring.scale,
-            reconstruction=scoring.stats,
-            **{k: v for k, v in params.items() if k in score_fns.score_param_names(name)},
-        )
-        layer.observed(
-            [
+        per_sequence = scoring.sequences if batch > 1 else [scoring]
+        last = layer.last_query_attention if batch > 1 else [layer.last_query_attention]
+        observations = []
+        for b, sequence in enumerate(per_sequence):
+            keys, values = layer.unpadded(b)
+            scores = score_fns.compute_scores(
+                name,
+                None,
+                keys,
+                values,
+                scale=sequence.scale,
+                reconstruction=sequence.stats,
+                **kwargs,
+            )
+            observations.append(
                 LayerObservation(
                     layer_idx=layer.layer_idx,
                     rank=layer.rank,
                     log_scores=scores.log_scores,
                     forced=scores.forced,
-                    last_query_attention=layer.last_query_attention,
-                    reference_queries=scoring.stats.reference_queries,
-                    scale=scoring.scale,
+                    last_query_attention=last[b],
+                    reference_queries=sequence.stats.reference_queries,
+                    scale=sequence.scale,
                 )
-            ]
-        )
+            )
+        layer.observed(observations)
 
 
-def _run_chunk(model, cache, layers, scorings, input_ids, device) -> None:
-    """One forward of a reconstruction chunk in scoring mode; the cache is left as it was."""
+def _rounds(chunks, scorings, pads: list[int], t: int, device):
+    """The pass's forwards: each sequence's chunks in turn (``chunks[b]``), one forward per
+    round. One sequence: its chunk ids. A batch: round ``r`` holds every sequence's ``r``-th
+    chunk, padded on the right (a sequence with no chunk left is all padding), with the mask
+    (the cache's left padding, then the chunk's real rows) and positions ``t_b, t_b + 1, ...``
+    of each sequence's context length ``t_b``, as alone; each ``BatchScoring`` learns the
+    round's real lengths. Right padding keeps every real row at the cache index it has alone
+    (a sliding-window layer's window), and the rows after it are never stored."""
+    for r in range(max(len(seq) for seq in chunks)):
+        rows = [list(seq[r].input_ids) if r < len(seq) else [] for seq in chunks]
+        if len(rows) == 1:
+            yield {"input_ids": torch.tensor(rows, dtype=torch.long, device=device)}
+            continue
+        n = max(len(row) for row in rows)
+        lengths = [len(row) for row in rows]
+        ids = torch.zeros(len(rows), n, dtype=torch.long, device=device)
+        mask = torch.zeros(len(rows), t + n, dtype=torch.long, device=device)
+        for b, (row, pad) in enumerate(zip(rows, pads)):
+            ids[b, : len(row)] = torch.tensor(row, dtype=torch.long, device=device)
+            mask[b, pad:t] = 1
+            mask[b, t : t + len(row)] = 1
+        positions = torch.tensor([t - pad for pad in pads], device=device).view(-1, 1)
+        positions = positions + torch.arange(n, device=device)
+        for scoring in scorings:
+            scoring.chunk_lengths = lengths
+        yield {"input_ids": ids, "attention_mask": mask, "position_ids": positions}
+
+
+def _run_chunk(model, cache, layers, scorings, inputs: dict) -> None:
+    """One forward of a reconstruction round in scoring mode; the cache is left as it was."""
     others = [layer for layer in cache.layers if not isinstance(layer, EvictingLayer)]
     saved = [dict(layer.__dict__) for layer in others]  # transformers' layers store the chunk
     for layer, scoring in zip(layers, scorings):
         layer.start_scoring(scoring)
     try:
-        ids = torch.tensor([input_ids], dtype=torch.long, device=device)
-        model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        model(**inputs, cache=cache, use_cache=True, logits_to_keep=1)
     finally:
         for layer in layers:
             layer.stop_scoring()
@@ -301,11 +412,12 @@ def _weigh_by_output(model, layers, scorings) -> list:
                 f"score 'kvzip-plus' needs layer {layer.layer_idx}'s attention output projection "
                 "(an attention module with o_proj and layer_idx); this model has none"
             )
-        scoring.o_weight = module.o_proj.weight.detach()
+        for sequence in getattr(scoring, "sequences", [scoring]):
+            sequence.o_weight = module.o_proj.weight.detach()
 
         def hook(mod, args, kwargs, scoring=scoring):
             h = kwargs.get("hidden_states", args[0] if args else None)
-            norms = torch.linalg.vector_norm(h[0].float(), dim=-1)
+            norms = torch.linalg.vector_norm(h.float(), dim=-1)  # [B, n]
             scoring.row_weights = 1.0 / norms.clamp_min(1e-12)
 
         hooks.append(module.register_forward_pre_hook(hook, with_kwargs=True))

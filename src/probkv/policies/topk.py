@@ -109,7 +109,7 @@ class TopKPolicy(EvictionPolicy):
                     raise ValueError(
                         f"{key}={getattr(self, key)!r} with scope='model': one set of blocks "
                         "for every layer and head has no layer or head budgets (uniform only; "
-                        "for KVzip's scores use topk:kvzip/scope=model)"
+                        f"for these scores use topk:{self.score}/scope=model)"
                     )
         self._check_alpha_beta()
         recent = check_fraction(self.recent, "recent", what="share of the budget kept recent")

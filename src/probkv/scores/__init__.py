@@ -300,7 +300,8 @@ SCORE_TABLE: dict[str, ScoreSpec] = {
         source="reconstruction",
     ),
     # S11: a surrogate of kvzip, predicted per layer from the keys and values at prefill
-    # (probkv.scores.surrogate); the scorer is a Python object (probkv.hf loads the shipped one).
+    # (probkv.scores.surrogate); the scorer is a Python object (probkv.hf and probkv.vllm load the
+    # shipped one: probkv.scores.scorer_lookup).
     # Defaults mirror kvzip's, whose scale it predicts (docs/evaluation.md, "Surrogate
     # scores (kvzap)").
     "kvzap": ScoreSpec(

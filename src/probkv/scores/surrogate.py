@@ -31,6 +31,7 @@ import functools
 import hashlib
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -315,6 +316,16 @@ class SurrogateScorer:
     def predict(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """Layer ``layer_idx``'s predicted teacher log-scores ``[Hkv, t]`` float32 from its
         ``key``/``value [Hkv, t, d]`` (``"kv"`` features only)."""
+        out = _predict_kv(self.check_layer(layer_idx), key, value)  # [t, Hkv]
+        if out.shape[1] != key.shape[0]:
+            raise ValueError(
+                f"the kvzap scorer {self.name!r} predicts {out.shape[1]} KV heads; the layer "
+                f"has {key.shape[0]} (kvzap scores every KV head of a layer together)"
+            )
+        return out.T.clamp(MIN_LOG_SCORE, 0.0).contiguous()
+
+    def check_layer(self, layer_idx: int) -> LinearSurrogate:
+        """Layer ``layer_idx``'s fit, refused by name when the scorer cannot score it."""
         if self.features not in ATTENTION_FEATURE_KINDS:
             raise ValueError(
                 f"a scorer with features {self.features!r} cannot score inside the attention "
@@ -325,19 +336,62 @@ class SurrogateScorer:
                 f"the kvzap scorer {self.name!r} has no layer {layer_idx} (it has "
                 f"{sorted(self.layers)})"
             )
-        out = _predict_kv(self.layers[layer_idx], key, value)  # [t, Hkv]
-        if out.shape[1] != key.shape[0]:
+        return self.layers[layer_idx]
+
+
+@dataclass(frozen=True)
+class ScorerShard:
+    """A ``SurrogateScorer`` on one tensor-parallel rank, which holds KV heads
+    ``[first, first + count)`` of every layer while each head's prediction reads every KV head
+    (S11). The prediction is linear in the features of each head, so the rank computes its
+    heads' share of every head's prediction (``partial``, ``[t, Hkv]``), ``all_reduce`` sums
+    the ranks' shares (over the TP group: ``Hkv`` floats per position and layer, not the
+    features), and the rank keeps its own heads' rows: the unsplit prediction, up to the
+    order of the sum."""
+
+    scorer: SurrogateScorer
+    first: int
+    count: int
+    all_reduce: Callable[[torch.Tensor], torch.Tensor]
+
+    @property
+    def name(self) -> str:
+        return self.scorer.name
+
+    def partial(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """``[t, Hkv]`` float32: this rank's heads' (``key``/``value [count, t, d]``) terms of
+        every head's prediction, without the intercept."""
+        fit = self.scorer.check_layer(layer_idx)
+        if key.ndim != 3 or key.shape[0] != self.count:
             raise ValueError(
-                f"the kvzap scorer {self.name!r} predicts {out.shape[1]} KV heads; the layer "
-                f"has {key.shape[0]} (kvzap scores every KV head of a layer together)"
+                f"a rank holding KV heads {self.first}..{self.first + self.count - 1} needs "
+                f"keys [{self.count}, t, d], got {tuple(key.shape)}"
             )
-        return out.T.clamp(MIN_LOG_SCORE, 0.0).contiguous()
+        return _predict_kv(fit, key, value, heads=slice(self.first, self.first + self.count))
+
+    def predict(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """This rank's heads' predicted log-scores ``[count, t]`` (``SurrogateScorer.predict``
+        of the unsplit layer, these heads' rows)."""
+        fit = self.scorer.check_layer(layer_idx)
+        total = self.all_reduce(self.partial(layer_idx, key, value))
+        out = total + _intercept(fit).to(total.device)
+        own = out[:, self.first : self.first + self.count]
+        return own.T.clamp(MIN_LOG_SCORE, 0.0).contiguous()
 
 
-def _predict_kv(fit: LinearSurrogate, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+def _intercept(fit: LinearSurrogate) -> torch.Tensor:
+    """``b - mean (W / scale)``: the prediction of all-zero features, ``[o]``."""
+    return fit.bias - fit.mean @ (fit.weight / fit.scale.unsqueeze(1))
+
+
+def _predict_kv(
+    fit: LinearSurrogate, key: torch.Tensor, value: torch.Tensor, heads: slice | None = None
+) -> torch.Tensor:
     """``fit.predict(kv_features(key, value))`` without building the features: the
     standardisation folded into the weights (``W / scale``, ``b - mean (W / scale)``), then
-    one batched product per kind of feature, summed over heads. ``[t, o]`` float32."""
+    one batched product per kind of feature, summed over heads. ``[t, o]`` float32. With
+    ``heads`` (the KV heads ``key``/``value`` hold, of the layer's), only those heads' terms,
+    without the intercept (``ScorerShard.partial``)."""
     if key.ndim != 3 or value.ndim != 3 or key.shape[:2] != value.shape[:2]:
         raise ValueError(
             f"key and value must be [Hkv, t, d] of equal Hkv and t, got {tuple(key.shape)} "
@@ -347,18 +401,22 @@ def _predict_kv(fit: LinearSurrogate, key: torch.Tensor, value: torch.Tensor) ->
     dv = value.shape[-1]
     per = dv + d // 2
     f, o = fit.weight.shape
-    if f != hkv * per:
+    total = hkv if heads is None else f // per
+    if f != total * per or (heads is not None and len(range(total)[heads]) != hkv):
         raise ValueError(f"features must be [n, {f}] for this surrogate, got [{t}, {hkv * per}]")
     w = (fit.weight / fit.scale.unsqueeze(1)).to(key.device)
-    b = fit.bias.to(key.device) - fit.mean.to(key.device) @ w
-    w = w.view(hkv, per, o)
+    w = w.view(total, per, o)
+    if heads is not None:
+        w = w[heads]
     out = torch.bmm(value.to(torch.float32), w[:, :dv]).sum(0)
     out += torch.bmm(key_pair_norms(key), w[:, dv:]).sum(0)
-    return out.add_(b)
+    if heads is not None:
+        return out
+    return out.add_(_intercept(fit).to(key.device))
 
 
-def check_scorer(value: object, name: str) -> SurrogateScorer:
-    if not isinstance(value, SurrogateScorer):
+def check_scorer(value: object, name: str) -> SurrogateScorer | ScorerShard:
+    if not isinstance(value, (SurrogateScorer, ScorerShard)):
         raise ValueError(
             f"{name} must be a probkv.scores.surrogate.SurrogateScorer (load_scorer(path)), got "
             f"{type(value).__name__}"
@@ -371,7 +429,7 @@ def kvzap(
     value: torch.Tensor,
     *,
     layer_idx: int | None,
-    surrogate: SurrogateScorer | None = None,
+    surrogate: SurrogateScorer | ScorerShard | None = None,
     sinks: int = 4,
 ) -> Scores:
     """The surrogate of KVzip's score (S11): ``surrogate``'s prediction of layer
@@ -379,8 +437,9 @@ def kvzap(
     scale (clamped to ``[log FLOOR, 0]``); the first ``sinks`` entries are forced, as KVzip's."""
     if surrogate is None:
         raise ValueError(
-            "score 'kvzap' needs a trained scorer: probkv.hf loads the one shipped for the "
-            "model, or pass score_params={'surrogate': probkv.scores.surrogate.load_scorer(path)}"
+            "score 'kvzap' needs a trained scorer: probkv.hf and probkv.vllm load the one "
+            "shipped for the model, or pass "
+            "score_params={'surrogate': probkv.scores.surrogate.load_scorer(path)}"
         )
     check_scorer(surrogate, "surrogate")
     if layer_idx is None:

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from probkv.vllm.options import ARCHITECTURES, policy_for, request_options
+from probkv.vllm.options import ARCHITECTURES, KVZAP, policy_for, request_options
 
 #: Positions per KV block of the engines probkv eval starts (the CPU backend needs a multiple
 #: of 32; the plugin's selections are in whole blocks).
@@ -37,16 +37,34 @@ BLOCK_SIZE = 32
 DEFAULT_CONCURRENT = 8
 
 
-def check_methods(methods: Sequence[str], ratios: Sequence[float]) -> None:
+def check_methods(
+    methods: Sequence[str],
+    ratios: Sequence[float],
+    *,
+    model: object | None = None,
+    tensor_parallel_size: int = 1,
+) -> None:
     """Refuse, by name and before any engine starts, a method the plugin cannot run at any of
-    ``ratios`` (per-head or per-layer scopes, reconstruction scores, kvzap, calibrated
-    weights, budgets the model-wide block selection cannot take): ValueError."""
+    ``ratios`` (per-head or per-layer scopes, reconstruction scores, calibrated weights,
+    budgets the model-wide block selection cannot take; given the ``model``'s config, kvzap
+    for a model no scorer is shipped for, or whose KV heads do not split over the ranks):
+    ValueError."""
     for method in methods:
         for ratio in ratios:
             try:
-                policy_for(method, ratio, BLOCK_SIZE)
+                policy_for(method, ratio, BLOCK_SIZE, model, tensor_parallel_size)
             except ValueError as err:
                 raise ValueError(f"--engine vllm: {err}") from None
+
+
+def scorer_methods(methods: Sequence[str], ratios: Sequence[float]) -> list[str]:
+    """The ``methods`` whose policy needs the model's kvzap scorer (checked by
+    :func:`check_methods` with the model's config once it is known)."""
+    return [
+        m
+        for m in methods
+        if any(getattr(policy_for(m, r, BLOCK_SIZE), "score", None) == KVZAP for r in ratios)
+    ]
 
 
 def check_model(model_path: str, tensor_parallel_size: int = 1) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from probkv import scores
 from probkv.policies import FullCache, parse_method
 from probkv.policies.base import EvictionPolicy
+from probkv.scores.scorer_lookup import model_shapes, with_scorer
 
 KEY = "probkv"
 TESTED_VLLM = "0.32"  # the minor version the plugin was written and tested against
@@ -24,6 +25,7 @@ WORKER = "probkv.vllm.worker.ProbKVWorker"
 SCHEDULER = "probkv.vllm.scheduler.ProbKVScheduler"
 DEFAULT_WORKER = "vllm.v1.worker.cpu_worker.CPUWorker"  # what the CPU platform sets for "auto"
 SCOPE_NAME = "scope"
+KVZAP = "kvzap"  # the surrogate score (S11): its policy needs the model's scorer
 
 
 @dataclass(frozen=True)
@@ -74,10 +76,17 @@ def request_options(method: str, ratio: float) -> dict:
     return {KEY: {"method": method, "ratio": float(ratio)}}
 
 
-def policy_for(method: str, ratio: float, block_size: int) -> EvictionPolicy | None:
+def policy_for(
+    method: str,
+    ratio: float,
+    block_size: int,
+    model: object | None = None,
+    tensor_parallel_size: int = 1,
+) -> EvictionPolicy | None:
     """The model-wide policy of ``method`` over blocks of ``block_size`` positions (S11):
     what a paged cache can free. None for ``full`` or r = 0. Per-head and per-layer budgets,
-    reconstruction scores and calibrated weights are refused by name."""
+    reconstruction scores and calibrated weights are refused by name. A ``kvzap`` policy gets
+    the shipped scorer of ``model`` (the engine's ``hf_config``; ``with_kvzap_scorer``)."""
     if not isinstance(method, str) or not method.strip():
         raise ValueError(f"method must be a probkv method name, got {method!r}")
     base = parse_method(method.split("/")[0], ratio)
@@ -111,6 +120,32 @@ def policy_for(method: str, ratio: float, block_size: int) -> EvictionPolicy | N
     why = _unsupported(policy)
     if why:
         raise ValueError(f"method {method!r} cannot run in vLLM: {why}")
+    try:
+        return with_kvzap_scorer(policy, model, tensor_parallel_size)
+    except ValueError as err:
+        raise ValueError(f"method {method!r} cannot run in vLLM: {err}") from None
+
+
+def with_kvzap_scorer(
+    policy: EvictionPolicy, model: object | None, tensor_parallel_size: int = 1
+) -> EvictionPolicy:
+    """A ``kvzap`` policy completed with the scorer shipped for ``model`` (a config read by
+    attribute: vLLM's ``model_config.hf_config``; ``probkv.scores.scorer_lookup``), refused
+    by name for a model without one, or whose KV heads do not split over
+    ``tensor_parallel_size`` ranks (each rank then sums its heads' share of every head's
+    prediction with the others': ``probkv.vllm.requests.tensor_parallel_policy``); other
+    policies, and any policy when ``model`` is None (only the name is checked), unchanged."""
+    if policy.score != KVZAP or model is None:
+        return policy
+    policy = with_scorer(policy, model)
+    hkv = model_shapes(model)["num_key_value_heads"]
+    if tensor_parallel_size != 1 and (not isinstance(hkv, int) or hkv % tensor_parallel_size):
+        raise ValueError(
+            f"kvzap under tensor_parallel_size={tensor_parallel_size}: the model's {hkv} KV "
+            "heads do not split over the ranks (vLLM then copies KV heads to several ranks, "
+            "and kvzap's scorer reads every KV head once); choose a tensor_parallel_size that "
+            f"divides {hkv}"
+        )
     return policy
 
 
@@ -120,8 +155,6 @@ def _unsupported(policy: EvictionPolicy) -> str | None:
             f"score {policy.score!r} reads a second 'repeat the context' pass (S10.1) that a "
             "serving prefill does not run; use a prefill score (snapkv, tova, knorm, h2o, ...)"
         )
-    if policy.score == "kvzap":
-        return "kvzap's scorer is not wired into the vLLM plugin yet; use it through probkv.hf"
     if policy.calibrates:
         return "calibrated weights (calibrate=...) fit reference queries of a reconstruction pass"
     return None
@@ -137,7 +170,13 @@ def check_engine(config) -> EngineEviction | None:
     problems = list(_engine_problems(config))
     if problems:
         raise ValueError("probkv eviction in vLLM: " + "; ".join(problems))
-    policy_for(options.method, options.ratio, config.cache_config.block_size)
+    policy_for(
+        options.method,
+        options.ratio,
+        config.cache_config.block_size,
+        config.model_config.hf_config,
+        getattr(config.parallel_config, "tensor_parallel_size", 1),
+    )
     return options
 
 

@@ -10,10 +10,16 @@ observations of every KV head of the model (``gather`` joins tensor-parallel ran
 every rank makes the same selection from the same inputs). Decode attention of the request then
 reads the kept prompt positions with their log-weights and every position after the prompt
 (``decode_attention``: ``probkv.estimation.corrected_attention``, S4).
+
+kvzap (S11) reads each position's keys and values, which the last chunk holds for every score;
+under tensor parallelism its scorer reads every KV head of a position while a rank holds some:
+``tensor_parallel_policy`` gives the rank a ``ScorerShard`` (its heads' share of every head's
+prediction, summed over the TP group).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -23,6 +29,7 @@ from probkv import scores
 from probkv.estimation import corrected_attention
 from probkv.policies.base import EvictionPolicy, select_layers
 from probkv.scores.observation import LayerObservation, PrefillStatistics
+from probkv.scores.surrogate import ScorerShard, SurrogateScorer
 
 Gather = Callable[[torch.Tensor], torch.Tensor]  # [H_local, t] -> [H_all, t] over the TP ranks
 
@@ -141,6 +148,31 @@ class RequestEviction:
         self.kept = KeptPrefix(positions.cpu(), logw.float().cpu(), freed, t, num_blocks)
         self.observations.clear()
         return self.kept
+
+
+def tensor_parallel_policy(
+    policy: EvictionPolicy,
+    rank: int,
+    world_size: int,
+    all_reduce: Callable[[torch.Tensor], torch.Tensor],
+) -> EvictionPolicy:
+    """``policy`` as tensor-parallel rank ``rank`` of ``world_size`` runs it: a kvzap scorer
+    becomes the rank's ``ScorerShard`` (the rank holds KV heads ``[rank c, (rank + 1) c)``,
+    ``c = Hkv / world_size``; each head's prediction reads every head, so the ranks' shares are
+    summed by ``all_reduce``). Other policies, and one rank, unchanged."""
+    scorer = policy.score_params.get("surrogate")
+    if world_size == 1 or not isinstance(scorer, SurrogateScorer):
+        return policy
+    hkv = next(iter(scorer.layers.values())).weight.shape[1]
+    if hkv % world_size:
+        raise ValueError(
+            f"kvzap over {world_size} tensor-parallel ranks: the model's {hkv} KV heads do not "
+            "split over them (vLLM then copies KV heads to several ranks); choose a "
+            f"tensor_parallel_size that divides {hkv}"
+        )
+    count = hkv // world_size
+    shard = ScorerShard(scorer, rank * count, count, all_reduce)
+    return dataclasses.replace(policy, score_params={**policy.score_params, "surrogate": shard})
 
 
 def _gathered(obs: LayerObservation, gather: Gather) -> LayerObservation:

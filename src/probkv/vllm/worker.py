@@ -21,7 +21,12 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 
 from probkv.vllm import options as opts
 from probkv.vllm.paged import LAYER_INDEX, read_cache
-from probkv.vllm.requests import RequestEviction, decode_attention, visible_positions
+from probkv.vllm.requests import (
+    RequestEviction,
+    decode_attention,
+    tensor_parallel_policy,
+    visible_positions,
+)
 
 OUTPUT_FIELD = "probkv_evicted"  # req_id -> {"freed": [...], ...} on a ModelRunnerOutput
 _ACTIVE: WorkerEviction | None = None
@@ -40,10 +45,19 @@ def register_attention_backend() -> None:
 class WorkerEviction:
     """Every evicting request of this worker (module docstring)."""
 
-    def __init__(self, engine: opts.EngineEviction, block_size: int, runner) -> None:
+    def __init__(
+        self,
+        engine: opts.EngineEviction,
+        block_size: int,
+        runner,
+        model: object | None = None,
+        tensor_parallel_size: int = 1,
+    ) -> None:
         self.engine = engine
         self.block_size = block_size
         self.runner = runner
+        self.model = model  # vLLM's hf_config: kvzap's scorer is found from it
+        self.tensor_parallel_size = tensor_parallel_size
         self.requests: dict[str, RequestEviction] = {}
         self.pending: dict[str, dict] = {}
         self.layers: tuple[int, ...] | None = None
@@ -56,9 +70,15 @@ class WorkerEviction:
         if raw is not None:
             chosen = opts.read_options(raw, where=f"request {req_id}'s extra_args['probkv']")
             method, ratio = chosen.method, chosen.ratio
-        policy = opts.policy_for(method, ratio, self.block_size)
+        policy = opts.policy_for(
+            method, ratio, self.block_size, self.model, self.tensor_parallel_size
+        )
         if policy is None or self.layers is None:
             return
+        group = get_tp_group()
+        policy = tensor_parallel_policy(
+            policy, group.rank_in_group, group.world_size, group.all_reduce
+        )
         self.requests[req_id] = RequestEviction(
             policy, prompt_length, self.block_size, self.layers, self.scale
         )
@@ -137,9 +157,17 @@ class WorkerEviction:
 
 
 def opts_name(request: RequestEviction) -> str:
+    """The request's method name for the report: its policy's, without tensor parameters
+    (kvzap's scorer, which the plugin found from the model, not from the name)."""
+    import dataclasses
+
+    from probkv import scores
     from probkv.policies import method_name
 
-    return method_name(request.policy)
+    policy = request.policy
+    tensors = scores.tensor_param_names(policy.score)
+    params = {k: v for k, v in policy.score_params.items() if k not in tensors}
+    return method_name(dataclasses.replace(policy, score_params=params))
 
 
 class ProbKVWorker(CPUWorker):
@@ -152,7 +180,13 @@ class ProbKVWorker(CPUWorker):
             register_attention_backend()
         super().__init__(vllm_config, *args, **kwargs)
         if engine is not None:
-            _ACTIVE = WorkerEviction(engine, vllm_config.cache_config.block_size, None)
+            _ACTIVE = WorkerEviction(
+                engine,
+                vllm_config.cache_config.block_size,
+                None,
+                vllm_config.model_config.hf_config,
+                vllm_config.parallel_config.tensor_parallel_size,
+            )
         self._probkv = _ACTIVE
 
     def load_model(self, *args, **kwargs):

@@ -1,12 +1,14 @@
-"""The kvzap scorer of a transformers model (S11): its identity, and the shipped files.
+"""Which kvzap scorer (S11) fits a model: its identity, and the shipped files.
 
 A scorer (``probkv.scores.surrogate.SurrogateScorer``) is trained for one model; its file stores
 that model's identity: the config fields that fix the layers' and heads' shapes, and their
-digest. ``scorer_for_config`` finds the scorer shipped in the package (``probkv/scores/scorers/``)
-(``probkv.scores.surrogate.shipped_scorers``) whose digest matches a config, or refuses the model by name, listing the models that have
-one. ``with_scorer`` completes a ``kvzap`` policy's ``score_params`` with it, so that
-``kvzap``, ``prob:kvzap`` and ``topk:kvzap`` work by name; a scorer passed explicitly
-(``score_params={"surrogate": load_scorer(path)}``) is checked against the model instead.
+digest. ``scorer_for_config`` finds the scorer shipped in the package (``probkv/scores/scorers/``,
+``probkv.scores.surrogate.shipped_scorers``) whose digest matches a config, or refuses the model
+by name, listing the models that have one. ``with_scorer`` completes a ``kvzap`` policy's
+``score_params`` with it, so that ``kvzap``, ``prob:kvzap`` and ``topk:kvzap`` work by name; a
+scorer passed explicitly (``score_params={"surrogate": load_scorer(path)}``) is checked against
+the model instead. Only config attributes are read (a transformers config, or the one vLLM
+holds as ``model_config.hf_config``), so both integrations use this module.
 """
 
 from __future__ import annotations
@@ -32,8 +34,10 @@ IDENTITY_FIELDS = (
 
 def model_shapes(config) -> dict[str, object]:
     """The identity fields of a model's text config (``IDENTITY_FIELDS``; ``head_dim`` from
-    ``hidden_size / num_attention_heads`` when the config has none)."""
-    text = config.get_text_config(decoder=True)
+    ``hidden_size / num_attention_heads`` when the config has none). ``config``: a
+    transformers config (its text config is read) or any object with these attributes."""
+    get_text = getattr(config, "get_text_config", None)
+    text = get_text(decoder=True) if get_text is not None else config
     shapes: dict[str, object] = {}
     for name in IDENTITY_FIELDS:
         value = getattr(text, name, None)
@@ -53,7 +57,7 @@ def model_identity(config, name: str) -> dict[str, object]:
 
 def model_label(config) -> str:
     """A model's name for messages: its config's path or, failing that, its type."""
-    return str(getattr(config, "_name_or_path", "") or config.model_type)
+    return str(getattr(config, "_name_or_path", "") or getattr(config, "model_type", "?"))
 
 
 def has_scorer(config) -> bool:

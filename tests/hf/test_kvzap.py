@@ -1,6 +1,7 @@
-"""The kvzap scorer in the integration (probkv.hf.scorer, S11) on tiny models: the model's
-identity, the shipped-scorer lookup (refused by name without one), kvzap by name in
-``compress``, and under a decode budget (each entry scored once, when it enters)."""
+"""kvzap in the transformers integration (S11) on tiny models: by name in ``compress`` with
+the model's scorer (``probkv.scores.scorer_lookup``; refused by name without one), one
+observation for every kvzap policy, and under a decode budget (each entry scored once, when it
+enters). The lookup itself: tests/scores/test_scorer_lookup.py."""
 
 from __future__ import annotations
 
@@ -12,14 +13,14 @@ import torch
 
 from probkv import scores
 from probkv.hf import ProbKVCache, compress, decode_budget, observe, prepare_model
-from probkv.hf import scorer as hs
 from probkv.hf.cache import EvictingLayer
 from probkv.hf.decode_budget import DecodeBudget
-from probkv.hf.scorer import with_scorer
 from probkv.models.testing import tiny_model
 from probkv.policies import parse_method
 from probkv.policies.topk import threshold_count
+from probkv.scores import scorer_lookup as lookup
 from probkv.scores import surrogate as sg
+from probkv.scores.scorer_lookup import with_scorer
 
 
 @pytest.fixture(scope="module")
@@ -40,31 +41,20 @@ def _scorer_for(model) -> sg.SurrogateScorer:
         torch.full((hkv,), -4.0),
     )
     layers = dict.fromkeys(range(c.num_hidden_layers), fit)
-    return sg.SurrogateScorer("kv", layers, hs.model_identity(c, "tiny-llama"), {})
+    return sg.SurrogateScorer("kv", layers, lookup.model_identity(c, "tiny-llama"), {})
 
 
 def _ids(n: int) -> torch.Tensor:
     return torch.randint(0, 200, (1, n), generator=torch.Generator().manual_seed(3))
 
 
-def test_identity_names_the_shapes_and_tells_models_apart(model):
-    shapes = hs.model_shapes(model.config)
-    assert set(shapes) == set(hs.IDENTITY_FIELDS)
-    assert shapes["num_hidden_layers"] == model.config.num_hidden_layers
-    other = tiny_model("llama", num_hidden_layers=model.config.num_hidden_layers + 1)
-    assert (
-        hs.model_identity(other.config, "x")["digest"]
-        != hs.model_identity(model.config, "x")["digest"]
-    )
-
-
 def test_kvzap_by_name_uses_the_shipped_scorer_or_is_refused_by_name(model, monkeypatch):
     other = parse_method("snapkv", 0.5)
-    assert hs.with_scorer(other, model.config) is other
+    assert lookup.with_scorer(other, model.config) is other
     with pytest.raises(ValueError, match=r"no scorer for model .*models with a shipped scorer"):
         compress(model, _ids(40), parse_method("kvzap", 0.5))
     scorer = _scorer_for(model)
-    monkeypatch.setattr(hs, "shipped_scorers", lambda: (scorer,))
+    monkeypatch.setattr(lookup, "shipped_scorers", lambda: (scorer,))
     for method in ("kvzap", "prob:kvzap", "topk:kvzap"):
         cache = compress(model, _ids(40), parse_method(method, 0.5))
         assert cache.policy.score_params["surrogate"] is scorer
@@ -82,13 +72,13 @@ def test_an_explicit_scorer_of_another_model_is_refused_by_name(model):
 def test_one_kvzap_observation_serves_every_kvzap_policy(model, monkeypatch):
     """probkv eval observes once and evicts a copy per policy: a copied cache holds a copy of
     the scorer (a dataclass of tensors), which must count as the same parameter."""
-    monkeypatch.setattr(hs, "shipped_scorers", lambda: (_scorer_for(model),))
+    monkeypatch.setattr(lookup, "shipped_scorers", lambda: (_scorer_for(model),))
     policy = parse_method("kvzap", 0.5)
     cache = observe(model, _ids(30), "kvzap", with_scorer(policy, model.config).score_params)
     for method in ("kvzap", "prob:kvzap", "topk:kvzap"):
         copy.deepcopy(cache).evict(parse_method(method, 0.5))
     other = dataclasses.replace(_scorer_for(model), recipe={"teacher": "another"})
-    monkeypatch.setattr(hs, "shipped_scorers", lambda: (other,))
+    monkeypatch.setattr(lookup, "shipped_scorers", lambda: (other,))
     with pytest.raises(ValueError, match="observed"):
         copy.deepcopy(cache).evict(parse_method("kvzap", 0.5))
 
@@ -116,7 +106,7 @@ def test_kvzap_under_a_decode_budget_scores_each_entry_as_the_whole_sequence_wou
     head's entries carry exactly the scores (and the 4 sinks' forced flags) that the whole
     sequence's keys and values give them, and the budget holds."""
     scorer = _scorer_for(model)
-    monkeypatch.setattr(hs, "shipped_scorers", lambda: (scorer,))
+    monkeypatch.setattr(lookup, "shipped_scorers", lambda: (scorer,))
     seen = _recording_updates(monkeypatch)
     original = decode_budget.next_stage
     checked = []
@@ -167,14 +157,14 @@ def test_a_cross_head_score_not_fixed_per_entry_is_refused_under_a_decode_budget
     monkeypatch.setitem(scores.SCORE_TABLE, "crossnorm", row)
     with pytest.raises(ValueError, match="'crossnorm' under a decode budget"):
         DecodeBudget(12).check_policy(parse_method("topk:knorm", 0.5).__class__(score="crossnorm"))
-    monkeypatch.setattr(hs, "shipped_scorers", lambda: (_scorer_for(model),))
+    monkeypatch.setattr(lookup, "shipped_scorers", lambda: (_scorer_for(model),))
     DecodeBudget(12).check_policy(parse_method("topk:kvzap"))  # fixed per entry: accepted
 
 
 def test_kvzap_threshold_mode_reports_each_prompts_effective_ratio(model, monkeypatch):
     """S11 threshold mode through the cache: ``kvzap/threshold=x`` keeps the entries scoring
     above x (and the sinks), so the compression differs per prompt, and the cache reports it."""
-    monkeypatch.setattr(hs, "shipped_scorers", lambda: (_scorer_for(model),))
+    monkeypatch.setattr(lookup, "shipped_scorers", lambda: (_scorer_for(model),))
     policy = with_scorer(parse_method("kvzap/threshold=-4", 0.0), model.config)
     ratios = []
     for n in (30, 50):
@@ -185,26 +175,3 @@ def test_kvzap_threshold_mode_reports_each_prompts_effective_ratio(model, monkey
         assert cache.effective_ratio() == pytest.approx(1 - kept / entries)
         ratios.append(cache.effective_ratio())
     assert 0 < ratios[0] < 1 and ratios[0] != ratios[1]
-
-
-@pytest.mark.slow
-def test_shipped_scorers_match_their_models_and_refuse_others():
-    """The package ships the SmolLM2 and Gemma-3 scorers (pyproject package-data); each is
-    found for its own model's config, fits that model's evicting layers, and a model of other
-    shapes is refused by name."""
-    from transformers import AutoConfig
-
-    from probkv.models import resolve_model
-    from probkv.models.testing import tiny_model
-
-    assert {"smollm2-135m", "gemma3-270m"} <= set(sg.scorer_names())
-    for name in ("smollm2-135m", "gemma3-270m"):
-        config = AutoConfig.from_pretrained(resolve_model(name).path)
-        scorer = hs.scorer_for_config(config)
-        assert scorer.name == name and scorer.recipe["teacher"] == "kvzip"
-        text = config.get_text_config(decoder=True)
-        types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
-        assert sorted(scorer.layers) == [i for i, t in enumerate(types) if t == "full_attention"]
-        assert scorer.metrics["kept_overlap"]["0.5"] > 0.7  # measured held out at training
-    with pytest.raises(ValueError, match=r"no scorer for model .*smollm2-135m"):
-        hs.scorer_for_config(tiny_model("llama").config)
