@@ -4,16 +4,21 @@ full cache vs probkv eviction, and ``probkv eval``'s examples per second at batc
 One run, side by side, on the CPU, float32, one torch thread per process (say the CPU with
 any figure). Every rate is given twice: per second of wall clock and per second of the
 process's CPU time (``time.process_time``); with one torch thread the CPU time is the work
-done, far steadier than the wall clock on a machine shared with other processes. Part 1: ``B`` prompts of about ``--length`` tokens (probkv's seeded prose, lengths
+done, far steadier than the wall clock on a machine shared with other processes.
+
+Part 1: ``B`` prompts of about ``--length`` tokens (probkv's seeded prose, lengths
 spread -10%..0% so the batch is padded), prefilled together, then ``--new-tokens`` greedy tokens
 generated for every sequence; generated tokens per second of decode (prefill excluded) and the
 KV bytes held after prefill, for the full cache (transformers' ``DynamicCache``) and
-``--method`` at each ratio; ratios are to B = 1 of the same cache. Part 2: ``probkv eval`` on
+``--method`` at each ratio, and held to each decode budget of ``--budgets B:K`` (S10.5:
+``max_entries=B``, ``every=K``, the bytes held after the last token); ratios are to B = 1 of
+the same cache. Part 2: ``probkv eval`` on
 ``--eval-examples`` generated needle examples with ``--eval-method`` at r = 0.5, batch size 4
 vs 1 (same rows: checked), examples per second and their ratio.
 
     .venv/bin/python benchmarks/bench_batch.py [--length 2048] [--batches 1 4 16]
-        [--ratios 0.5 0.75] [--new-tokens 32] [--model smollm2-135m] [--no-eval | --no-decode]
+        [--ratios 0.5 0.75] [--budgets 128:8] [--new-tokens 32] [--model smollm2-135m]
+        [--no-eval | --no-decode]
 """
 
 from __future__ import annotations
@@ -87,10 +92,14 @@ def run_full(model, seqs, new_tokens: int) -> tuple[tuple[float, float], int]:
 
 
 @torch.no_grad()
-def run_probkv(model, seqs, new_tokens: int, policy) -> tuple[tuple[float, float], int]:
-    """((decode wall, CPU seconds), KV bytes after eviction) with probkv: the prompts but their last
-    token compressed together, then the last tokens fed and ``new_tokens`` generated."""
-    cache = compress(model, [s[:-1] for s in seqs], policy)
+def run_probkv(
+    model, seqs, new_tokens: int, policy, budget=None
+) -> tuple[tuple[float, float], int]:
+    """((decode wall, CPU seconds), KV bytes after eviction) with probkv: the prompts but
+    their last token compressed together, then the last tokens fed and ``new_tokens``
+    generated. With a decode ``budget`` ``{"max_entries": B, "every": K}``: the bytes held at
+    the end."""
+    cache = compress(model, [s[:-1] for s in seqs], policy, **(budget or {}))
     held = cache.nbytes()
     last = torch.stack([s[-1:] for s in seqs])
     clock = Clock()
@@ -98,24 +107,28 @@ def run_probkv(model, seqs, new_tokens: int, policy) -> tuple[tuple[float, float
         generate(model, cache, last[0], max_new_tokens=new_tokens, min_new_tokens=new_tokens)
     else:
         generate(model, cache, last, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
-    return clock.stop(), held
+    return clock.stop(), cache.nbytes() if budget else held
 
 
 def decode_table(model, tokenizer, args) -> None:
     print(f"decode: prompts of ~{args.length} tokens, {args.new_tokens} new tokens each")
     print("| cache | B | tokens/s wall | vs B=1 | tokens/s CPU | vs B=1 | KV bytes / sequence |")
     print("|---|---:|---:|---:|---:|---:|---:|")
-    caches = [("full", None)] + [
-        (f"{args.method} r={r}", parse_method(args.method, ratio=r)) for r in args.ratios
+    caches = [("full", None, None)] + [
+        (f"{args.method} r={r}", parse_method(args.method, ratio=r), None) for r in args.ratios
     ]
-    for name, policy in caches:
+    for spec in args.budgets:
+        b, k = (int(x) for x in spec.split(":"))
+        budget = {"max_entries": b, "every": k}
+        caches.append((f"{args.method} B={b} K={k}", parse_method(args.method), budget))
+    for name, policy, budget in caches:
         base = None
         for b in args.batches:
             seqs = prompts(tokenizer, args.length, b)
             if policy is None:
                 seconds, held = run_full(model, seqs, args.new_tokens)
             else:
-                seconds, held = run_probkv(model, seqs, args.new_tokens, policy)
+                seconds, held = run_probkv(model, seqs, args.new_tokens, policy, budget)
             rates = [b * args.new_tokens / s for s in seconds]
             base = rates if base is None else base
             wall, cpu = (f"{r:.1f} | {r / r0:.2f}x" for r, r0 in zip(rates, base))
@@ -169,6 +182,7 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-examples", type=int, default=8)
     ap.add_argument("--eval-length", type=int, default=1024)
     ap.add_argument("--eval-method", default="snapkv")
+    ap.add_argument("--budgets", nargs="*", default=[], help="decode budgets B:K (S10.5)")
     ap.add_argument("--no-eval", action="store_true")
     ap.add_argument("--no-decode", action="store_true", help="only the eval part")
     args = ap.parse_args(argv)

@@ -59,6 +59,8 @@ def nbytes(cache, sequence: int | None) -> int:
 
 
 def _evicting_nbytes(layer, b: int) -> int:
+    if layer.sequence_layers is not None:  # a batch held to a decode budget: its own layer
+        return layer.sequence_layers[b].nbytes()
     tail = layer.tail.nbytes() // layer.batch_size
     prefix = layer.prefix
     if prefix is None:
@@ -97,6 +99,7 @@ def before_generate(cache, ids: torch.Tensor, attention_mask: torch.Tensor | Non
     held = cache.get_seq_length()
     guards.check_generation_ids(ids, held, cache.token_ids)
     guards.check_padding(attention_mask, cache.layers)
+    guards.check_budget_padding(attention_mask, cache.decode_budget)
     if attention_mask is not None and bool(attention_mask.all()):
         attention_mask = None
     cache._generate_mask = attention_mask

@@ -18,7 +18,8 @@ For an evicting layer, its state (``probkv.hf.cache.LayerState``) decides:
 - ``OBSERVED`` (prefill seen, eviction pending): dense causal attention;
 - ``EVICTED``: one softmax over the ragged weighted prefix (logits ``+ log w``, S4) and the
   dense tail of tokens added since, which carries no weight; with a decode budget, the rows
-  then feed its statistics and may start a stage (``probkv.hf.decode_budget``, S10.5).
+  then feed its statistics and may start a stage (``probkv.hf.decode_budget``, S10.5; in a
+  batch, each sequence's own: ``batched_budget_attention``).
 
 A forward may also carry a recorder as ``probkv_capture`` (``probkv.hf.capture``): it receives
 every layer's real inputs and output, whichever path computed them.
@@ -32,7 +33,13 @@ from transformers.masking_utils import sdpa_mask
 
 from probkv.hf import channel
 from probkv.hf.cache import EvictingLayer, LayerState
-from probkv.hf.decode_budget import after_decode_attention, decode_rows_needed
+from probkv.hf.decode_budget import (
+    after_decode_attention,
+    decode_rows_needed,
+    join_batch,
+    record_batch_peak,
+    sequence_probabilities,
+)
 from probkv.hf.eviction import evict_decode_stage
 from probkv.hf.prefill import observe_prompt_chunk, prompt_pads
 from probkv.scores import needs_reconstruction
@@ -125,9 +132,11 @@ def batch_attention(
     ``[B, Hq, q, d_v]``. A prompt forward observes each sequence on its unpadded rows
     (``probkv.hf.prefill``), and a reconstruction score's pass scores each sequence on its own
     rows (``probkv.hf.reconstruct``); after eviction every (sequence, KV head) segment of the
-    layer attends in one call (``batched_evicted_attention``). Decode budgets are refused for
-    batches before any forward (``guards.check_batch_supported``)."""
+    layer attends in one call (``batched_evicted_attention``; with a decode budget,
+    ``batched_budget_attention``)."""
     layer.attention_done()
+    if layer.sequence_layers is not None:
+        return batched_budget_attention(layer, query, scale, mask)
     if layer.state is LayerState.EVICTED:
         return batched_evicted_attention(layer, query, scale, mask)
     if layer.state is LayerState.RECONSTRUCTING:  # S10.1, probkv.hf.reconstruct.BatchScoring
@@ -196,6 +205,69 @@ def batched_evicted_attention(
     visible = visible.reshape(segments, (hq // h) * q_len, n_tail)
     qg = query.reshape(segments, (hq // h) * q_len, d)
     out, _ = _segment_attention(layer.prefix, qg, tail_k, tail_v, visible, scale, False)
+    return out.reshape(batch, hq, q_len, -1)
+
+
+def batched_budget_attention(
+    layer, query: torch.Tensor, scale: float, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """Decode attention of a batch held to a decode budget (S10.5, S11 batches): query
+    ``[B, Hq, q, d]`` -> ``[B, Hq, q, d_v]``. Each sequence holds its own prefix (a slice of
+    the layer's joined prefix) and its own dense tail (``probkv.hf.decode_budget``): the tails,
+    of each sequence's length, are stacked into ``[B Hkv, T, d]`` (a copy of at most ``K + q``
+    slots per segment, right-padded, the padding never seen) and every (sequence, KV head)
+    segment attends in one call, as in ``batched_evicted_attention``. Then each sequence's
+    statistics read its rows of the probabilities, and a sequence whose head holds ``B + K``
+    entries runs its own stage (its seeds, its statistics), exactly as alone; the joined
+    prefix follows. New tokens that are padding are refused (``guards.check_budget_padding``)."""
+    batch, hq, q_len, d = query.shape
+    h = layer.num_heads
+    sequences = layer.sequence_layers
+    if mask is not None and q_len > 1:
+        own = mask[:, 0, torch.arange(q_len), mask.shape[-1] - q_len + torch.arange(q_len)]
+        if not bool((own if own.dtype == torch.bool else own == 0).all()):
+            raise ValueError(
+                f"layer {layer.layer_idx}: a batch held to a decode budget takes new tokens "
+                "without padding (a padding token would be an entry of its stages); give "
+                "every sequence new tokens of the same length"
+            )
+    lengths = [one.tail.length for one in sequences]
+    width = max(lengths)
+    tail_k = query.new_zeros(batch, h, width, d)
+    tail_v = query.new_zeros(batch, h, width, sequences[0].tail_values.shape[-1])
+    for b, one in enumerate(sequences):
+        tail_k[b, :, : lengths[b]] = one.tail_keys[0]
+        tail_v[b, :, : lengths[b]] = one.tail_values[0]
+    # row r of sequence b sees its tail slots j < T_b - q + 1 + r (itself, causal)
+    slots = torch.arange(width, device=query.device).view(1, 1, width)
+    last = torch.tensor(lengths, device=query.device).view(batch, 1, 1) - q_len
+    visible = slots <= last + torch.arange(q_len, device=query.device).view(1, q_len, 1)
+    visible = visible.unsqueeze(1).expand(batch, hq, q_len, width)
+    visible = visible.reshape(batch * h, (hq // h) * q_len, width)
+    qg = query.reshape(batch * h, (hq // h) * q_len, d)
+    needed = [decode_rows_needed(one) for one in sequences]
+    out, probs = _segment_attention(
+        layer.prefix,
+        qg,
+        tail_k.view(batch * h, width, d),
+        tail_v.view(batch * h, width, -1),
+        visible,
+        scale,
+        any(needed),
+    )
+    due = [
+        after_decode_attention(
+            one,
+            query[b],
+            probabilities=sequence_probabilities(layer, probs, b, q_len) if needed[b] else None,
+        )
+        for b, one in enumerate(sequences)
+    ]
+    record_batch_peak(layer)  # before any stage: what the batch holds at its largest
+    for one in (one for one, stage in zip(sequences, due) if stage):
+        evict_decode_stage(one, scale)
+    if any(due):
+        join_batch(layer)
     return out.reshape(batch, hq, q_len, -1)
 
 

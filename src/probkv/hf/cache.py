@@ -24,7 +24,8 @@ reconstruction pass (KVzip, S10.1) go ``PREFILL`` -> ``AWAITING_RECONSTRUCTION``
 transformers' own sliding-window layers elsewhere (Gemma-3's local layers are not evicted). It
 runs the policy once every evicting layer has been observed during prefill. Every eviction goes
 through ``probkv.hf.eviction``; with a decode budget (``max_entries``) the layers are evicted
-again during generation (``probkv.hf.decode_budget``, S10.5).
+again during generation (``probkv.hf.decode_budget``, S10.5); in a batch, each sequence's
+stages on their own (a single-sequence layer per sequence, ``EvictingLayer.sequence_layers``).
 """
 
 from __future__ import annotations
@@ -107,6 +108,10 @@ class EvictingLayer(CacheLayerMixin):
         self._awaiting_attention = False  # update() ran, probkv's attention not yet
         # S10.5 (probkv.hf.decode_budget): the budget and its statistics
         self.decode_state = None if decode_budget is None else LayerDecodeState(decode_budget)
+        # S10.5 in a batch (S11): from the prompt's eviction on, each sequence is one
+        # single-sequence layer with its own prefix (views of ``prefix``, which joins them),
+        # dense tail, statistics and stages (``probkv.hf.decode_budget.split_batch``)
+        self.sequence_layers: list[EvictingLayer] | None = None
 
     @property
     def prompt_length(self) -> int | None:
@@ -176,6 +181,14 @@ class EvictingLayer(CacheLayerMixin):
                 f"layer {self.layer_idx}: the previous forward did not run probkv's attention function; "
                 "call probkv.hf.prepare_model(model) so the model uses attn_implementation='probkv'."
             )
+        if self.sequence_layers is not None:  # a batch held to a decode budget: own tails
+            for b, layer in enumerate(self.sequence_layers):
+                layer.tail.append(
+                    key_states[b : b + 1], value_states[b : b + 1], layer._tail_capacity
+                )
+            channel.hand_over(self, kwargs)
+            self._awaiting_attention = True
+            return key_states, value_states  # probkv's attention reads the sequences' own
         if self.state is LayerState.RECONSTRUCTING:
             # S10.1: the chunk attends to the cache and to itself but is never stored
             self.scoring.keys, self.scoring.values = key_states, value_states
@@ -200,6 +213,8 @@ class EvictingLayer(CacheLayerMixin):
 
     def get_seq_length(self) -> int:
         """Logical length: every token the layer has seen, evicted or not (positions, RoPE)."""
+        if self.sequence_layers is not None:  # the padded length: each sequence's, + its pad
+            return self.sequence_layers[0].get_seq_length() + self.pads[0]
         return self.prefix_length + self.tail.length
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -259,6 +274,11 @@ class EvictingLayer(CacheLayerMixin):
     def physical_length(self, head: int | None = None) -> int:
         """Entries stored for one KV head (a (sequence, KV head) segment in a batch: index
         ``b * Hkv + h``), or the longest."""
+        if self.sequence_layers is not None:
+            if head is None:
+                return max(layer.physical_length() for layer in self.sequence_layers)
+            b, h = divmod(head, self.num_heads)
+            return self.sequence_layers[b].physical_length(h)
         if self.prefix is None:
             return self.tail.length
         lengths = self.prefix.lengths if head is None else [self.prefix.lengths[head]]
@@ -266,8 +286,12 @@ class EvictingLayer(CacheLayerMixin):
 
     def nbytes(self) -> int:
         """Bytes held by this layer: prefix (keys, values, log-weights) plus the
-        allocated tail buffer (capacity, not just length)."""
-        return (0 if self.prefix is None else self.prefix.nbytes()) + self.tail.nbytes()
+        allocated tail buffer (capacity, not just length); in a batch held to a decode budget,
+        the joined prefix and every sequence's own tail."""
+        held = (0 if self.prefix is None else self.prefix.nbytes()) + self.tail.nbytes()
+        if self.sequence_layers is not None:
+            held += sum(layer.tail.nbytes() for layer in self.sequence_layers)
+        return held
 
     # ----------------------------------------------------------------- eviction
     @property
@@ -401,7 +425,8 @@ class ProbKVCache(Cache):
     ``max_entries=B``, ``every=K`` (default 1; only with ``max_entries``): a decode budget,
     at most ``B + K`` entries per KV head from the prompt's eviction on, for any length
     generated one token at a time (the prompt evicted to ``B``, then every ``K`` new
-    entries; the budget replaces the policy's ``ratio``; ``probkv.hf.decode_budget``, S10.5).
+    entries; the budget replaces the policy's ``ratio``; ``probkv.hf.decode_budget``, S10.5);
+    in a batch, per sequence, at the steps it would alone (new tokens without padding).
     """
 
     def __init__(
@@ -465,8 +490,6 @@ class ProbKVCache(Cache):
             first = self.layers[self.evicting_layers[0]]
             if first.is_initialized and key_states.shape[0] != first.batch_size:
                 raise ValueError(guards.batch_message(key_states, first.batch_size))
-            if key_states.shape[0] > 1 and not first.is_initialized:
-                guards.check_batch_supported(self.policy, self.decode_budget)
             self._start_forward(key_states.shape[-2], kwargs.get("kwargs"))
         if layer_idx == 0 and self.awaiting_reconstruction:
             raise ValueError(

@@ -27,6 +27,10 @@ reach), plus one float32 log-weight per kept entry. A top-k stage keeps ``B`` en
 head, a pps stage at most ``B + K - 1`` (its blocks hold at most ``K`` entries, S10.3, so it
 keeps up to ``block - 1`` more or fewer than ``B``).
 
+A batch (S11) holds the budget per sequence: each sequence's stages come at the steps they
+come alone, with its own seeds and statistics (``split_batch`` below); its new tokens must
+not be padded (``probkv.hf.guards.check_budget_padding``).
+
 Refused by name, since they cannot hold it: Ada-KV head budgets, PyramidKV / global layer
 budgets, the global scope and a threshold (their budgets move between heads or layers, or
 with the prompt, while a decode budget holds every head to ``B``), scores read from a reconstruction pass (KVzip, S10.1: a
@@ -45,6 +49,7 @@ import torch
 from probkv import scores
 from probkv._checks import check_positive_int
 from probkv.estimation.selection import RaggedSelection
+from probkv.hf.prefix import RaggedPrefix
 from probkv.policies.base import EvictionPolicy, LayerObservation
 from probkv.policies.registry import FullCache
 from probkv.scores.decode_statistics import DecodeStatistics
@@ -268,3 +273,107 @@ def _stage_policy(policy, budget: DecodeBudget, n: int, stage: int, head: int):
     if hasattr(policy, "seed"):
         changes["seed"] = policy.seed + _STAGE_SEED_STRIDE * stage + _HEAD_SEED_STRIDE * head
     return dataclasses.replace(policy, **changes)
+
+
+# ------------------------------------------------------------------ batches (S11)
+# A batch held to a decode budget: each sequence's stages come at the steps they come alone
+# (its prompt's length, and a pps stage's ragged count, decide them), with its own seeds and
+# statistics. So from the prompt's eviction on, each sequence is a single-sequence layer of its
+# own (``EvictingLayer.sequence_layers``), which every function above serves unchanged: its
+# prefix, its dense tail (sized as alone: no sequence's entries linger in a shared buffer after
+# its stage), its ``LayerDecodeState``. The batch layer keeps the sequences' prefixes joined
+# into one ragged prefix of ``B * Hkv`` (sequence, KV head) segments, whose slices are the
+# sequences' prefixes (views, no copy), so that decode attention stays one call over all
+# segments (``probkv.hf.attention.batched_budget_attention``).
+
+
+def split_batch(layer) -> list:
+    """Before the prompt's eviction of a batch ``layer`` (``OBSERVED``, holding the padded
+    prompt): one single-sequence layer per sequence, holding that sequence's unpadded prompt
+    (views of the batch's tail) and observation, as if that prompt had been read alone."""
+    sequences = []
+    for b, pad in enumerate(layer.pads):
+        one = type(layer)(
+            layer.layer_idx, layer.policy, layer.rank, layer.num_evicting, None, layer.decode_budget
+        )
+        one.device, one.dtype, one.num_heads = layer.device, layer.dtype, layer.num_heads
+        one.batch_size, one.is_initialized = 1, True
+        one.tail = layer.tail.sequence(b, pad)
+        one.prompt.length = one.tail.length
+        one.prompt.complete = True
+        one.prompt.pads = [0]
+        one.prompt.observations = [layer.observations[b]]
+        one.state = type(layer.state).OBSERVED
+        sequences.append(one)
+    layer.sequence_layers = sequences
+    return sequences
+
+
+def join_batch(layer) -> None:
+    """After any sequence's eviction (the prompt's, or a stage): the batch layer's prefix
+    becomes the sequences' prefixes joined (``B * Hkv`` segments, sequence after sequence), and
+    each sequence's prefix a view of its slice; the batch's own buffers are freed. A sequence
+    without log-weights (a prompt kept whole, a top-k stage) while another has them gets zeros
+    in the joined tensor (the same softmax; 4 bytes per entry, until its first weighted stage),
+    and keeps ``None`` itself."""
+    sequences = layer.sequence_layers
+    parts = [one.prefix for one in sequences]
+    weighted = any(p.log_weights is not None for p in parts)
+    log_weights = None
+    if weighted:
+        log_weights = torch.cat(
+            [
+                p.log_weights
+                if p.log_weights is not None
+                else torch.zeros(p.keys.shape[0], device=p.keys.device)
+                for p in parts
+            ]
+        )
+    joined = RaggedPrefix(
+        keys=torch.cat([p.keys for p in parts]),
+        values=torch.cat([p.values for p in parts]),
+        log_weights=log_weights,
+        lengths=[n for p in parts for n in p.lengths],
+        covers=min(p.covers + pad for p, pad in zip(parts, layer.pads, strict=True)),
+    )
+    h = layer.num_heads
+    for b, (one, p) in enumerate(zip(sequences, parts)):
+        first, last = joined.offsets[b * h], joined.offsets[(b + 1) * h]
+        one.prefix = RaggedPrefix(
+            keys=joined.keys[first:last],
+            values=joined.values[first:last],
+            log_weights=None if p.log_weights is None else joined.log_weights[first:last],
+            lengths=p.lengths,
+            covers=p.covers,
+        )
+    layer.prefix = joined
+    if layer.state is not type(layer.state).EVICTED:  # the prompt's eviction
+        layer.tail.clear()
+        layer.prompt = type(layer.prompt)(
+            layer.prompt.length, complete=True, pads=layer.prompt.pads
+        )
+        layer.state = type(layer.state).EVICTED
+    layer.record_report([one.sequence_reports[0] for one in sequences])
+    record_batch_peak(layer)
+
+
+def record_batch_peak(layer) -> None:
+    """A batch layer's own ``decode_state``: the most stages any sequence ran, the most
+    entries any of its (sequence, KV head) segments held, and the most bytes the whole layer
+    held (each sequence's own state holds its own, as alone)."""
+    state, sequences = layer.decode_state, layer.sequence_layers
+    state.stages = max(one.decode_state.stages for one in sequences)
+    state.peak_entries = max(one.decode_state.peak_entries for one in sequences)
+    state.peak_bytes = max(state.peak_bytes, layer.nbytes())
+
+
+def sequence_probabilities(layer, probabilities: torch.Tensor, b: int, q: int) -> torch.Tensor:
+    """Sequence ``b``'s share of a batch's decode probabilities (``[B Hkv, g q, width]``:
+    each segment's prefix, then the batch's tail slots, the sequence's own first, zeros after)
+    in the layout its statistics read alone: ``[Hkv, g, q, n]``, ``n`` its longest head's
+    prefix plus its tail."""
+    one = layer.sequence_layers[b]
+    h = layer.num_heads
+    n = max(one.prefix.lengths) + one.tail.length
+    rows = probabilities[b * h : (b + 1) * h, :, :n]
+    return rows.reshape(h, -1, q, n)

@@ -7,7 +7,7 @@ records the layer's report (``LayerReport``: the cache as it is after this evict
 - ``evict_layers``: the prompt's eviction of observed layers (at prefill, on
   ``ProbKVCache.evict``). A cache held to a decode budget (``probkv.hf.decode_budget``)
   evicts its prompt down to the budget here (stage 1) and starts the layer's decode
-  statistics.
+  statistics; in a batch, each sequence's own (``decode_budget.split_batch``).
 - ``evict_decode_stage``: one more stage of a decode budget (S10.5), on the observations
   ``probkv.hf.decode_budget.next_stage`` builds from the statistics.
 
@@ -36,6 +36,14 @@ def evict_layers(policy: EvictionPolicy, layers: Sequence, *, num_layers: int) -
     each sequence is selected on its own, exactly as alone (its observations, its unpadded
     tensors, the policy's own draws; S11 batches: nothing pools across sequences)."""
     budget = layers[0].decode_budget if layers else None
+    if budget is not None and layers[0].batch_size > 1:
+        # S10.5 in a batch: each sequence's layers evicted exactly as alone, then joined
+        split = [decode_budget.split_batch(layer) for layer in layers]
+        for b in range(layers[0].batch_size):
+            evict_layers(policy, [one[b] for one in split], num_layers=num_layers)
+        for layer in layers:
+            decode_budget.join_batch(layer)
+        return
     if budget is not None:
         policy = budget.prompt_policy(policy, layers[0].observation.length)
     per_sequence = []  # [sequence][layer]

@@ -12,8 +12,8 @@
 - A cache built from another model's config (:func:`check_layer_index`,
   :func:`check_layers_used`, :func:`check_same_layers`): named with both layer counts.
 - A forward whose batch size is not the cache's (:func:`batch_message`: beam search and
-  several returned sequences copy sequences), and what is not batched yet
-  (:func:`check_batch_supported`: decode budgets).
+  several returned sequences copy sequences), and what is not batched
+  (:func:`check_budget_padding`: padded new tokens of a batch held to a decode budget).
 - ``model.generate`` on a prompt that does not begin with the ids the cache holds
   (:func:`check_generation_ids`: ``probkv.hf.prepare_model`` makes ``generate`` call it
   with the whole prompt, before transformers slices off what the cache holds).
@@ -159,14 +159,21 @@ def check_padding(attention_mask: torch.Tensor | None, layers: Sequence) -> None
         )
 
 
-def check_batch_supported(policy: EvictionPolicy, budget) -> None:
-    """A batch of several sequences (each evicted on its own, S11 batches) is refused, by
-    name, for what the batched integration does not do yet: a decode budget's stages
-    (S10.5)."""
-    if budget is not None:
+def check_budget_padding(attention_mask: torch.Tensor | None, budget) -> None:
+    """A batch held to a decode budget takes new tokens without padding: a padding token
+    in a sequence's tail would be an entry its stages count, score and may keep (S10.5; alone
+    it never exists). Refused by name (``attention_mask`` ``[B, n]``, zeros after ones)."""
+    if budget is None or attention_mask is None or attention_mask.ndim != 2:
+        return
+    if attention_mask.shape[0] < 2:
+        return
+    if bool((attention_mask[:, 1:].long() < attention_mask[:, :-1].long()).any()):
         raise ValueError(
-            f"a decode budget (max_entries={budget.max_entries}) holds one sequence: its "
-            "stages and decode statistics are not batched; run the prompts one at a time"
+            f"this batch is held to a decode budget (max_entries={budget.max_entries}), and "
+            "its new tokens are padded (the attention mask has zeros after ones): a padding "
+            "token would be an entry of that sequence's stages. Give every sequence new "
+            "tokens of the same length (e.g. generate from the prompts alone), or run them "
+            "one at a time"
         )
 
 

@@ -156,6 +156,16 @@ class DenseTail:
             new[:, :, : self.length] = old[:, :, : self.length]
         return new
 
+    def sequence(self, b: int, start: int = 0) -> DenseTail:
+        """A tail holding sequence ``b``'s used slots from ``start`` on (``[1, Hkv, length -
+        start, d]``): views of this one's buffers, no copy (a batch's sequence held to a decode
+        budget, ``probkv.hf.decode_budget.split_batch``)."""
+        tail = DenseTail()
+        tail._keys = self._keys[b : b + 1, :, start : self.length]
+        tail._values = self._values[b : b + 1, :, start : self.length]
+        tail.length = self.length - start
+        return tail
+
     def truncate(self, length: int) -> None:
         """Keep the first ``length`` tokens (``0 <= length <= self.length``)."""
         if not 0 <= length <= self.length:
