@@ -12,9 +12,13 @@ generated for every sequence; generated tokens per second of decode (prefill exc
 KV bytes held after prefill, for the full cache (transformers' ``DynamicCache``) and
 ``--method`` at each ratio, and held to each decode budget of ``--budgets B:K`` (S10.5:
 ``max_entries=B``, ``every=K``, the bytes held after the last token); ratios are to B = 1 of
-the same cache. Part 2: ``probkv eval`` on
-``--eval-examples`` generated needle examples with ``--eval-method`` at r = 0.5, batch size 4
-vs 1 (same rows: checked), examples per second and their ratio.
+the same cache. Part 2: ``probkv eval`` on ``--eval-examples`` generated examples of each of
+``--eval-tasks``, every method of ``--eval-methods`` at every ratio of ``--eval-ratios`` (with
+``full``; prefills shared per example and score, as ``probkv eval`` does), batch size 4 vs 1
+(same rows: checked), examples per second and their ratio, and how batch size 1 splits its
+time between prefill and decode: batching shares a decode step's weights between sequences,
+while a prefill is matrix-matrix work already, so the gain grows with the decode's share (the
+issue's picture: many methods and ratios per prompt).
 
     .venv/bin/python benchmarks/bench_batch.py [--length 2048] [--batches 1 4 16]
         [--ratios 0.5 0.75] [--budgets 128:8] [--new-tokens 32] [--model smollm2-135m]
@@ -140,27 +144,37 @@ def eval_table(args) -> None:
     from probkv.eval.runner import run_eval
     from probkv.eval.store import RESULTS_FILE, read_results
 
+    tasks = tuple(args.eval_tasks.split(","))
     config = RunConfig(
         model=args.model,
-        methods=(args.eval_method,),
-        ratios=(0.5,),
-        tasks=("niah_single_1",),
+        methods=("full", *args.eval_methods.split(",")),
+        ratios=tuple(float(r) for r in args.eval_ratios.split(",")),
+        tasks=tasks,
         lengths=(args.eval_length,),
         per_task=args.eval_examples,
     )
-    rates, predictions = {}, {}
+    examples = args.eval_examples * len(tasks)
+    rates, predictions, split = {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for size in (1, 4):
             out = Path(tmp) / f"b{size}"
             clock = Clock()
             run_eval(config, out, progress=False, batch_size=size)
-            rates[size] = [args.eval_examples / s for s in clock.stop()]
+            rates[size] = [examples / s for s in clock.stop()]
             rows = read_results(out / RESULTS_FILE)
-            predictions[size] = {r["id"]: r["prediction"] for r in rows}
+            predictions[size] = {(r["id"], r["method"], r["ratio"]): r["prediction"] for r in rows}
+            shared = [r for r in rows if r.get("prefill_s") is not None]
+            split[size] = (
+                sum(r["prefill_s"] / r.get("shared_prefill", 1) for r in shared),
+                sum(r.get("decode_s") or 0.0 for r in shared),
+            )
     same = predictions[1] == predictions[4]
+    prefill, decode = split[1]
     print(
-        f"eval: {args.eval_examples} examples of {args.eval_length} tokens, "
-        f"{args.eval_method} r=0.5 (model loading included)"
+        f"eval: {examples} examples of {args.eval_length} tokens ({args.eval_tasks}), full + "
+        f"{args.eval_methods} at r = {args.eval_ratios}, {len(predictions[1])} jobs (model "
+        f"loading included); batch size 1 spent {prefill:.1f} s in prefill and {decode:.1f} s "
+        "in decode (wall clock)"
     )
     for i, clock in enumerate(("wall clock", "CPU time")):
         one, four = rates[1][i], rates[4][i]
@@ -179,9 +193,11 @@ def main(argv=None) -> int:
     ap.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.75])
     ap.add_argument("--method", default="prob:snapkv")
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--eval-examples", type=int, default=8)
+    ap.add_argument("--eval-examples", type=int, default=4, help="per task")
     ap.add_argument("--eval-length", type=int, default=1024)
-    ap.add_argument("--eval-method", default="snapkv")
+    ap.add_argument("--eval-tasks", default="niah_single_1,vt,fwe")
+    ap.add_argument("--eval-methods", default="snapkv,prob:snapkv")
+    ap.add_argument("--eval-ratios", default="0.25,0.5,0.75,0.9")
     ap.add_argument("--budgets", nargs="*", default=[], help="decode budgets B:K (S10.5)")
     ap.add_argument("--no-eval", action="store_true")
     ap.add_argument("--no-decode", action="store_true", help="only the eval part")
