@@ -403,17 +403,7 @@ def test_kvzip_plus_equals_its_dense_oracle(tiny):
 # -- batches (S11 batches; each sequence as alone: tests/hf/test_batch.py) ---------------
 def test_a_batch_pass_leaves_the_cache_bit_identical(tiny):
     ids, mask = pad_left([context_ids(tiny, n, seed=n)[0] for n in (37, 19)])
-    cache = ProbKVCache(
-        tiny.config, ObserveOnly(score="kvzip", ratio=0.0, score_params={"chunk_tokens": 10})
-    )
-    with torch.no_grad():
-        tiny(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=(mask.cumsum(-1) - 1).clamp_min(0),
-            cache=cache,
-            use_cache=True,
-        )
+    cache = prefilled_batch(tiny, ids, mask, chunk_tokens=10)
     before = snapshot(cache)
     reconstruct(tiny, cache, ids, PROMPT)
     assert_same(before, snapshot(cache))
@@ -422,8 +412,9 @@ def test_a_batch_pass_leaves_the_cache_bit_identical(tiny):
         reconstruct(tiny, prefilled_batch(tiny, ids, mask), ids[:1], PROMPT)
 
 
-def prefilled_batch(model, ids, mask) -> ProbKVCache:
-    cache = ProbKVCache(model.config, ObserveOnly(score="kvzip", ratio=0.0, score_params={}))
+def prefilled_batch(model, ids, mask, **params) -> ProbKVCache:
+    """A left-padded batch prefilled for kvzip's pass (positions from each sequence's start)."""
+    cache = ProbKVCache(model.config, ObserveOnly(score="kvzip", ratio=0.0, score_params=params))
     with torch.no_grad():
         model(
             input_ids=ids,
