@@ -13,7 +13,8 @@ def test_decode_and_eval_tables(load_benchmark, tiny_dir, capsys):
     argv = ["--model", tiny_dir, "--length", "120", "--batches", "1", "3", "--ratios", "0.5"]
     argv += ["--budgets", "32:4"]
     argv += ["--new-tokens", "3", "--eval-examples", "2", "--eval-length", "600"]
-    argv += ["--eval-tasks", "niah_single_1,niah_single_2", "--eval-methods", "snapkv", "--eval-ratios", "0.5"]
+    argv += ["--eval-tasks", "niah_single_1,niah_single_2"]
+    argv += ["--eval-methods", "snapkv", "--eval-ratios", "0.5"]
     assert load_benchmark("bench_batch").main(argv) == 0
     out = capsys.readouterr().out
     assert out.count("| full |") == 2 and out.count("| prob:snapkv r=0.5 |") == 2
