@@ -95,7 +95,9 @@ def prompt_tokens(cache) -> list[int]:
 
 
 def before_generate(cache, ids: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
-    """``ProbKVCache.before_generate``: the checks, and the mask kept for ``after_generate``."""
+    """``ProbKVCache.before_generate``: refuse ``ids [B, n]`` that do not begin with the tokens
+    the cache holds (``hf.guards``), keep the mask for ``after_generate``; returns whether the
+    cache will know its ids afterwards (it knew them, or held nothing)."""
     held = cache.get_seq_length()
     guards.check_generation_ids(ids, held, cache.token_ids)
     guards.check_padding(attention_mask, cache.layers)

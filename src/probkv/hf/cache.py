@@ -1,31 +1,23 @@
 """An evicting KV cache on transformers' cache-layer protocol (S3, S4, S6).
 
-``EvictingLayer`` is one global-attention layer's cache. Before eviction it is a dense,
-growing ``[B, Hkv, T, d]`` buffer, like transformers' ``DynamicLayer`` (``B`` sequences of a
-left-padded batch, S11 batches; usually one). Eviction turns what it holds into a *ragged,
-weighted prefix*: the kept entries of every (sequence,) KV head, flattened head after head into
-one ``[N, d]`` key and one ``[N, d_v]`` value tensor (Ada-KV's layout, no padding to the
-longest head, padding tokens never kept), and one float32 log-weight per kept entry (S4).
-Kept entries are visible to every later query, so their positions need not be stored. Tokens
-that arrive after eviction go to a dense *tail*; decode attention is one softmax over prefix
-(logits ``+ log w``) and tail (no weight), see ``probkv.hf.attention``.
+``EvictingLayer`` is one global-attention layer's cache: before eviction a dense ``[B, Hkv, T,
+d]`` buffer like transformers' ``DynamicLayer`` (``B`` sequences of a left-padded batch, S11;
+usually one); after it a *ragged, weighted prefix* (every (sequence,) KV head's kept entries
+flattened head after head into ``[N, d]`` keys and ``[N, d_v]`` values, Ada-KV's layout, padding
+never kept, one float32 log-weight per entry, S4) and a dense *tail* of the tokens since. Decode
+attention is one softmax over prefix (logits ``+ log w``) and tail (``probkv.hf.attention``).
+Logical length (positions: ``get_seq_length``) and physical length (storage, masks:
+``get_mask_sizes``) are kept apart (S6 pitfall).
 
-Logical length (positions, RoPE: ``get_seq_length``) and physical length (what is stored, what
-masks must be sized by: ``get_mask_sizes``) are kept apart (S6 pitfall).
+States (``LayerState``): ``PREFILL`` (the prompt, in one or several forwards:
+``probkv.hf.prefill``) -> ``OBSERVED`` (eviction waits for the prompt's end or the other layers)
+-> ``EVICTED``; reconstruction scores (KVzip, S10.1) pass through ``AWAITING_RECONSTRUCTION``
+and ``RECONSTRUCTING`` (each chunk of the pass) before ``OBSERVED``.
 
-An ``EvictingLayer`` moves through explicit states (``LayerState``): ``PREFILL`` (the prompt
-is being read, in one or several forwards: ``probkv.hf.prefill``) -> ``OBSERVED`` (the
-policy's observation is held; eviction waits for the end of the prompt or for the other
-layers: global scope, ``probkv.hf.observe``) -> ``EVICTED``. Scores read from a
-reconstruction pass (KVzip, S10.1) go ``PREFILL`` -> ``AWAITING_RECONSTRUCTION`` ->
-(``RECONSTRUCTING`` during each chunk of the pass) -> ``OBSERVED``.
-
-``ProbKVCache`` is the ``Cache``: one ``EvictingLayer`` per global-attention layer and
-transformers' own sliding-window layers elsewhere (Gemma-3's local layers are not evicted). It
-runs the policy once every evicting layer has been observed during prefill. Every eviction goes
-through ``probkv.hf.eviction``; with a decode budget (``max_entries``) the layers are evicted
-again during generation (``probkv.hf.decode_budget``, S10.5); in a batch, each sequence's
-stages on their own (a single-sequence layer per sequence, ``EvictingLayer.sequence_layers``).
+``ProbKVCache`` is the ``Cache``: an ``EvictingLayer`` per global-attention layer, transformers'
+own sliding-window layers elsewhere (Gemma-3's are not evicted). Every eviction goes through
+``probkv.hf.eviction``; a decode budget (``max_entries``) evicts again during generation
+(``probkv.hf.decode_budget``, S10.5), in a batch per sequence (``sequence_layers``).
 """
 
 from __future__ import annotations
@@ -44,7 +36,12 @@ from transformers.cache_utils import (
 from probkv._checks import check_positive_int
 from probkv.estimation.selection import RaggedSelection
 from probkv.hf import accounting, channel, guards
-from probkv.hf.decode_budget import DecodeBudget, LayerDecodeState
+from probkv.hf.decode_budget import (
+    DecodeBudget,
+    LayerDecodeState,
+    append_to_sequences,
+    sequences_length,
+)
 from probkv.hf.eviction import evict_layers
 from probkv.hf.prefill import ObserveOnly, PromptReading
 from probkv.hf.prefix import DenseTail, RaggedPrefix, kept_prefix
@@ -108,9 +105,8 @@ class EvictingLayer(CacheLayerMixin):
         self._awaiting_attention = False  # update() ran, probkv's attention not yet
         # S10.5 (probkv.hf.decode_budget): the budget and its statistics
         self.decode_state = None if decode_budget is None else LayerDecodeState(decode_budget)
-        # S10.5 in a batch (S11): from the prompt's eviction on, each sequence is one
-        # single-sequence layer with its own prefix (views of ``prefix``, which joins them),
-        # dense tail, statistics and stages (``probkv.hf.decode_budget.split_batch``)
+        # S10.5 in a batch: from the prompt's eviction on, one single-sequence layer per
+        # sequence, its prefix a view of ``prefix`` (``probkv.hf.decode_budget.split_batch``)
         self.sequence_layers: list[EvictingLayer] | None = None
 
     @property
@@ -136,8 +132,7 @@ class EvictingLayer(CacheLayerMixin):
 
     @property
     def report(self) -> LayerReport | None:
-        """The latest eviction's report of a single sequence (``sequence_reports``: each
-        sequence's in a batch)."""
+        """The latest eviction's report of one sequence (a batch: ``sequence_reports``)."""
         self._check_single("report", "sequence_reports")
         return self.sequence_reports[0] if self.sequence_reports else None
 
@@ -182,14 +177,8 @@ class EvictingLayer(CacheLayerMixin):
                 "call probkv.hf.prepare_model(model) so the model uses attn_implementation='probkv'."
             )
         if self.sequence_layers is not None:  # a batch held to a decode budget: own tails
-            for b, layer in enumerate(self.sequence_layers):
-                layer.tail.append(
-                    key_states[b : b + 1], value_states[b : b + 1], layer._tail_capacity
-                )
-            channel.hand_over(self, kwargs)
-            self._awaiting_attention = True
-            return key_states, value_states  # probkv's attention reads the sequences' own
-        if self.state is LayerState.RECONSTRUCTING:
+            append_to_sequences(self.sequence_layers, key_states, value_states)
+        elif self.state is LayerState.RECONSTRUCTING:
             # S10.1: the chunk attends to the cache and to itself but is never stored
             self.scoring.keys, self.scoring.values = key_states, value_states
         else:
@@ -198,6 +187,8 @@ class EvictingLayer(CacheLayerMixin):
             self.tail.append(key_states, value_states, self._tail_capacity)
         channel.hand_over(self, kwargs)  # to the attention function (probkv.hf.channel)
         self._awaiting_attention = True
+        if self.sequence_layers is not None:
+            return key_states, value_states  # probkv's attention reads the sequences' own
         return self.tail_keys, self.tail_values
 
     def _tail_capacity(self, need: int, planned: int) -> int:
@@ -275,10 +266,7 @@ class EvictingLayer(CacheLayerMixin):
         """Entries stored for one KV head (a (sequence, KV head) segment in a batch: index
         ``b * Hkv + h``), or the longest."""
         if self.sequence_layers is not None:
-            if head is None:
-                return max(layer.physical_length() for layer in self.sequence_layers)
-            b, h = divmod(head, self.num_heads)
-            return self.sequence_layers[b].physical_length(h)
+            return sequences_length(self.sequence_layers, self.num_heads, head)
         if self.prefix is None:
             return self.tail.length
         lengths = self.prefix.lengths if head is None else [self.prefix.lengths[head]]
@@ -580,26 +568,16 @@ class ProbKVCache(Cache):
         """Drop every token added after eviction, back to the compressed state (question-
         agnostic workflow: each question starts from the same compressed context)."""
         guards.check_no_decode_budget(self.decode_budget, "rewind")
+        guards.check_rewind(self.layers)
         for layer in self.layers:
-            if isinstance(layer, EvictingLayer):
-                if not layer.is_evicted:
-                    raise ValueError("rewind() needs an evicted cache; compress the context first")
-                layer.truncate_tail(0)
-            else:
-                raise ValueError(
-                    "rewind() is not available for models with sliding-window layers; "
-                    "use copy.deepcopy(cache) before each question instead"
-                )
+            layer.truncate_tail(0)
 
     def before_generate(self, ids: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
-        """``model.generate`` is about to run on ``ids [B, n]`` (``probkv.hf.model``): refuse a
-        prompt that does not begin with the tokens this cache holds (``hf.guards``). Returns
-        whether the cache will know its ids afterwards (it knew them, or held nothing)."""
+        """Before ``model.generate`` on ``ids [B, n]``: ``probkv.hf.accounting.before_generate``."""
         return accounting.before_generate(self, ids, attention_mask)
 
     def after_generate(self, sequences: torch.Tensor) -> None:
-        """``model.generate`` returned ``sequences [B, n]``: the cache holds their first ids
-        (and, in a padded batch, the prompt's attention mask extended by the new tokens)."""
+        """After ``model.generate``: ``probkv.hf.accounting.after_generate``."""
         accounting.after_generate(self, sequences)
 
     def copy(self) -> ProbKVCache:

@@ -377,3 +377,17 @@ def sequence_probabilities(layer, probabilities: torch.Tensor, b: int, q: int) -
     n = max(one.prefix.lengths) + one.tail.length
     rows = probabilities[b * h : (b + 1) * h, :, :n]
     return rows.reshape(h, -1, q, n)
+
+
+def append_to_sequences(layers: list, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    """A budgeted batch's new entries ``[B, Hkv, q, d]``: each sequence's into its own tail."""
+    for b, layer in enumerate(layers):
+        layer.tail.append(key_states[b : b + 1], value_states[b : b + 1], layer._tail_capacity)
+
+
+def sequences_length(layers: list, num_heads: int, head: int | None) -> int:
+    """Entries a budgeted batch stores for segment ``head`` (``b * Hkv + h``), or the most."""
+    if head is None:
+        return max(layer.physical_length() for layer in layers)
+    b, h = divmod(head, num_heads)
+    return layers[b].physical_length(h)

@@ -177,6 +177,18 @@ def check_budget_padding(attention_mask: torch.Tensor | None, budget) -> None:
         )
 
 
+def check_rewind(layers: Sequence) -> None:
+    """``rewind`` truncates every layer's tail: only evicting layers, all evicted."""
+    for layer in layers:
+        if not hasattr(layer, "is_evicted"):
+            raise ValueError(
+                "rewind() is not available for models with sliding-window layers; "
+                "use copy.deepcopy(cache) before each question instead"
+            )
+        if not layer.is_evicted:
+            raise ValueError("rewind() needs an evicted cache; compress the context first")
+
+
 def check_no_decode_budget(budget, operation: str) -> None:
     """``crop``/``rewind`` drop tail entries that a decode budget's stages and statistics
     (``probkv.hf.decode_budget``) already counted: refused by name."""
