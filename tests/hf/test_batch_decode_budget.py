@@ -131,16 +131,24 @@ def assert_same_layers(alone: ProbKVCache, batch: ProbKVCache, b: int, extra: in
         assert mine.decode_state.peak_bytes == one.decode_state.peak_bytes
 
 
-def run_alone(model, policy, seq: torch.Tensor, every: int) -> tuple[ProbKVCache, list]:
-    cache = ProbKVCache(model.config, policy, max_entries=MAX_ENTRIES, every=every)
+def greedy(model, cache, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``NEW_TOKENS`` greedy tokens from ``ids`` into ``cache`` (no end of text: every step
+    runs, alone and in a batch)."""
+    kw = {} if mask is None else {"attention_mask": mask, "pad_token_id": 0}
     with torch.no_grad():
-        out = model.generate(
-            input_ids=seq[None],
+        return model.generate(
+            input_ids=ids,
             cache=cache,
             max_new_tokens=NEW_TOKENS,
-            min_new_tokens=NEW_TOKENS,  # no end of text: both run every step
+            min_new_tokens=NEW_TOKENS,
             do_sample=False,
+            **kw,
         )
+
+
+def run_alone(model, policy, seq: torch.Tensor, every: int) -> tuple[ProbKVCache, list]:
+    cache = ProbKVCache(model.config, policy, max_entries=MAX_ENTRIES, every=every)
+    out = greedy(model, cache, seq[None])
     return cache, out[0, seq.numel() :].tolist()
 
 
@@ -152,16 +160,7 @@ def test_a_budgeted_batch_evicts_and_generates_each_sequence_as_alone(tiny, meth
     ids, mask = pad_left(seqs)
     t = ids.shape[1]
     cache = ProbKVCache(tiny.config, policy, max_entries=MAX_ENTRIES, every=every)
-    with torch.no_grad():
-        out = tiny.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            cache=cache,
-            max_new_tokens=NEW_TOKENS,
-            min_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            pad_token_id=0,
-        )
+    out = greedy(tiny, cache, ids, mask)
     assert cache.batch_size == len(seqs)
     assert cache.get_seq_length() == t + NEW_TOKENS - 1
     batch_stages = {b: {} for b in range(len(seqs))}
@@ -305,16 +304,7 @@ def test_the_batched_ragged_op_serves_a_budgeted_batch(monkeypatch, method, stag
     seqs = prompts(model.config.vocab_size)
     ids, mask = pad_left(seqs)
     cache = ProbKVCache(model.config, policy, max_entries=MAX_ENTRIES, every=4)
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            cache=cache,
-            max_new_tokens=NEW_TOKENS,
-            min_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            pad_token_id=0,
-        )
+    out = greedy(model, cache, ids, mask)
     assert any(calls)  # the 9-token prompt makes the batch ragged, and a stage read its rows
     calls.clear()
     for b, seq in enumerate(seqs):
