@@ -1,0 +1,82 @@
+"""benchmarks/bench_serve.py: its ratio lines and cap arithmetic on made-up rows (anywhere), and
+a tiny run end to end through vLLM's OpenAI-compatible server and vLLM's serving benchmark:
+2 prompts of 64 tokens, 4 new tokens, plain vLLM under C and C / (1 - r) and snapkv r = 0.5
+(no timing is checked: speed is read from the benchmark's own output)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+
+import pytest
+
+
+def test_ratio_lines_and_the_cap_check(load_benchmark, capsys):
+    bench = load_benchmark("bench_serve")
+    args = bench.parse_args(
+        ["--shape", "long", "--methods", "snapkv,prob:snapkv", "--ratios", "0.5"]
+    )
+    per_request = 72  # (2048 + 256) / 32
+    configs = bench.configurations(args, per_request)
+    assert [c.name for c in configs] == [
+        "plain C", "plain C/(1-0.5)", "snapkv r=0.5", "prob:snapkv r=0.5"
+    ]  # fmt: skip
+    assert [c.blocks for c in configs] == [288, 576, 288, 288]
+    speeds = {
+        "plain C": 1.0,
+        "plain C/(1-0.5)": 1.2,
+        "snapkv r=0.5": 1.1,
+        "prob:snapkv r=0.5": 0.99,
+    }
+    rows = []
+    for cfg in configs:
+        row = bench.Row(cfg, cap_bytes=(cfg.blocks + 1) * 32 * 46080, num_gpu_blocks=cfg.blocks + 1)
+        row.duration_s, row.req_s, row.output_tok_s = 10 / speeds[cfg.name], speeds[cfg.name], 256
+        row.median_ttft_ms, row.median_tpot_ms, row.peak_running = 100.0, 50.0, 4
+        rows.append(row)
+    ratios = bench.report_rows(args, rows, per_request)
+    out = capsys.readouterr().out
+    assert (
+        "289 blocks in vLLM (288 + its null block): 4 full requests of 72 blocks, exactly n" in out
+    )
+    assert "plain C/(1-0.5) / plain C: 1.20x req/s" in out
+    assert "snapkv r=0.5 / plain C: 1.10x req/s" in out
+    assert "snapkv r=0.5 / plain C/(1-0.5): 0.92x req/s" in out
+    assert "prob:snapkv r=0.5 / snapkv r=0.5: 0.90x req/s" in out
+    assert len(ratios) == 1 + 2 + 3
+
+
+def test_bad_configs_are_refused(load_benchmark):
+    with pytest.raises(ValueError, match=r"--configs takes plain, ideal, evict; got \['x'\]"):
+        load_benchmark("bench_serve").parse_args(["--configs", "plain,x"])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None,
+    reason="vLLM is not installed here: run it in .venv-vllm",
+)
+def test_tiny_run_through_vllms_server_and_client(load_benchmark, tmp_path, capsys):
+    argv = ["--shape", "short", "--input-len", "64", "--output-len", "4", "--num-prompts", "2"]
+    argv += ["--methods", "snapkv", "--ratios", "0.5", "--out", str(tmp_path / "serve.json")]
+    assert load_benchmark("bench_serve").main(argv) == 0
+    out = capsys.readouterr().out
+    assert "4 full requests of 3 blocks, exactly n" in out  # C = 4 x ceil(68 / 32) blocks
+    for pair in ("plain C/(1-0.5) / plain C", "snapkv r=0.5 / plain C",
+                 "snapkv r=0.5 / plain C/(1-0.5)"):  # fmt: skip
+        assert re.search(
+            rf"^{re.escape(pair)}: \d+\.\d\dx req/s, \d+\.\d\dx output tok/s", out, re.M
+        )
+    data = json.loads((tmp_path / "serve.json").read_text())
+    rows = {r["config"]["name"]: r for r in data["configs"]}
+    assert list(rows) == ["plain C", "plain C/(1-0.5)", "snapkv r=0.5"]
+    for row in rows.values():
+        assert row["error"] is None and row["completed"] == 2 and row["failed"] == 0
+        assert row["req_s"] > 0 and row["median_ttft_ms"] > 0 and row["median_tpot_ms"] > 0
+        assert row["mean_prompt_tokens"] == 64
+    assert [rows[n]["num_gpu_blocks"] for n in rows] == [13, 25, 13]
+    assert rows["snapkv r=0.5"]["evicted_requests"] == 2  # one row per request in the report
+    assert rows["snapkv r=0.5"]["mean_freed_blocks"] > 0
+    assert rows["plain C"]["evicted_requests"] == 0
+    assert len(data["ratios"]) == 3
