@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,7 @@ from probkv._checks import check_positive_int
 from probkv.eval.batching import plan_batches, run_batch
 from probkv.eval.config import FULL, RunConfig, config_identity
 from probkv.eval.engines import check_engine_model, check_engine_run, vllm_rows
+from probkv.eval.examples import Example
 from probkv.eval.job import (
     JobSettings,
     check_prompts,
@@ -51,7 +52,7 @@ from probkv.eval.job import (
     split_prompt,
 )
 from probkv.eval.outputs import check_output_folder
-from probkv.eval.plan import job_key, load_run_examples, plan_units
+from probkv.eval.plan import Unit, job_key, load_run_examples, plan_units
 from probkv.eval.store import (
     RESULTS_FILE,
     SUMMARY_JSON,
@@ -132,7 +133,79 @@ def run_eval(
     ``config.engine == "vllm"`` runs every job through one vLLM engine over
     ``tensor_parallel_size`` ranks (:mod:`probkv.eval.engines`, which refuses what that engine
     cannot run, first; it batches requests itself, so ``batch_size`` is the HF engine's).
+
+    The steps, in order: :func:`_check_run` (before loading anything), :func:`_load_model`,
+    :func:`_run_examples`, then, with the folder locked, :func:`_finished_rows` (the rows a
+    previous run left), :func:`_row_stream` (the pending units' rows, by engine) and
+    :func:`_append_rows`; the summary is written last.
     """
+    out, examples, identity = _check_run(
+        config,
+        out_dir,
+        workers=workers,
+        threads=threads,
+        force=force,
+        reuse_prefill=reuse_prefill,
+        tensor_parallel_size=tensor_parallel_size,
+        batch_size=batch_size,
+    )
+    model, tokenizer, limit = _load_model(config, workers, threads)
+    examples = _run_examples(config, examples, tokenizer, limit)
+    out.mkdir(parents=True, exist_ok=True)
+    with locked(out):
+        prepare_folder(out, config, identity, examples, force=force)
+        jobs = config.jobs_per_example()
+        planned = {job_key(ex.id, m, r) for ex in examples for m, r in jobs}
+        results = out / RESULTS_FILE
+        rows, labels, next_line = _finished_rows(results, planned)
+        done = {job_key(r["id"], r["method"], r["ratio"]) for r in rows}
+        units = plan_units(examples, jobs, done, reuse_prefill=reuse_prefill)
+        skipped = len(done)
+        run = 0
+        if units:
+            bar = tqdm(
+                total=len(planned),
+                initial=skipped,
+                unit="job",
+                desc="probkv eval",
+                disable=not progress,
+                file=sys.stderr,
+                dynamic_ncols=True,
+            )
+            stream = _row_stream(
+                config,
+                units,
+                model,
+                tokenizer,
+                limit,
+                workers=workers,
+                threads=threads,
+                batch_size=batch_size,
+                tensor_parallel_size=tensor_parallel_size,
+            )
+            with bar:
+                run = _append_rows(results, stream, rows, labels, next_line, bar)
+        summary = write_summary(
+            out, rows, config=config, jobs_total=len(planned), row_labels=labels
+        )
+    return RunReport(out, len(planned), skipped, run, summary)
+
+
+def _check_run(
+    config: RunConfig,
+    out_dir: str | os.PathLike[str],
+    *,
+    workers: int,
+    threads: int,
+    force: bool,
+    reuse_prefill: bool,
+    tensor_parallel_size: int | None,
+    batch_size: int,
+) -> tuple[Path, list[Example] | None, dict[str, Any]]:
+    """:func:`run_eval`'s checks before any model loads or any file changes: the arguments,
+    the engine's limits, the output folder, a data file's examples (``None`` for generated
+    tasks, which need the tokenizer), the folder's previous configuration, the model's name.
+    Returns the folder, the data file's examples and the run's identity."""
     check_positive_int(workers, "workers")
     check_positive_int(batch_size, "batch_size")
     check_positive_int(threads, "threads")
@@ -150,77 +223,98 @@ def run_eval(
     check_folder(out, identity, force=force)  # another run's folder: refused before loading
     resolve_model(config.model)  # unknown or not installed: refused here, not in a worker
     check_engine_model(config, tensor_parallel_size=tensor_parallel_size)
-    model = None
+    return out, examples, identity
+
+
+def _load_model(config: RunConfig, workers: int, threads: int) -> tuple[Any, Any, int]:
+    """The model (``None`` where workers or the vLLM engine load it), its tokenizer and its
+    limit in positions."""
     if workers == 1 and config.engine == "hf":
         model, tokenizer = load_prepared_model(config.model, threads, config.dtype)
-        limit = max_positions(model.config)
-    else:  # the workers load the model; this process needs its tokenizer and limit only
-        tokenizer = load_tokenizer(config.model)
-        limit = model_max_positions(config.model)
+        return model, tokenizer, max_positions(model.config)
+    # the workers load the model; this process needs its tokenizer and limit only
+    return None, load_tokenizer(config.model), model_max_positions(config.model)
+
+
+def _run_examples(
+    config: RunConfig, examples: list[Example] | None, tokenizer: Any, limit: int
+) -> list[Example]:
+    """The run's examples (generated here when no data file gave them), their prompts
+    checked against the model's ``limit``."""
     if examples is None:
         check_lengths(config.lengths, limit)
         examples = load_run_examples(config, tokenizer)
     check_prompts(examples, tokenizer, limit, truncate_middle=config.truncate_middle)
-    out.mkdir(parents=True, exist_ok=True)
-    with locked(out):
-        prepare_folder(out, config, identity, examples, force=force)
-        jobs = config.jobs_per_example()
-        planned = {job_key(ex.id, m, r) for ex in examples for m, r in jobs}
-        results = out / RESULTS_FILE
-        numbered = [
-            (n, r)
-            for n, r in read_numbered_results(results, repair=True)
-            if job_key(r["id"], r["method"], r["ratio"]) in planned
-        ]
-        rows = [r for _, r in numbered]
-        labels = [line_label(results, n) for n, _ in numbered]  # names rows in errors
-        next_line = results.read_bytes().count(b"\n") + 1 if results.exists() else 1
-        done = {job_key(r["id"], r["method"], r["ratio"]) for r in rows}
-        units = plan_units(examples, jobs, done, reuse_prefill=reuse_prefill)
-        settings = JobSettings(
-            config.model, config.question_aware, config.seed, config.truncate_middle, config.dtype
-        )
-        skipped = len(done)
-        run = 0
-        if units:
-            bar = tqdm(
-                total=len(planned),
-                initial=skipped,
-                unit="job",
-                desc="probkv eval",
-                disable=not progress,
-                file=sys.stderr,
-                dynamic_ncols=True,
-            )
-            batches = [[u] for u in units]
-            if batch_size > 1 and config.engine == "hf":
-                model_config = (
-                    model.config if model is not None else load_model_config(config.model)
-                )
-                length = _question_length(config, tokenizer, limit, model_config)
-                batches = plan_batches(units, batch_size, length)
-            if config.engine == "vllm":
-                stream = vllm_rows(
-                    config, units, tokenizer, limit, tensor_parallel_size=tensor_parallel_size
-                )
-            elif workers == 1 and batch_size == 1:
-                stream = (r for u in units for r in run_unit(model, tokenizer, u, settings))
-            elif workers == 1:
-                stream = (r for b in batches for r in run_batch(model, tokenizer, b, settings))
-            else:
-                stream = run_in_workers(batches, settings, min(workers, len(batches)), threads)
-            with bar, results.open("a", encoding="utf-8") as f:
-                for row in stream:
-                    append_row(f, row)
-                    rows.append(row)
-                    labels.append(line_label(results, next_line))
-                    next_line += 1
-                    run += 1
-                    bar.update(1)
-        summary = write_summary(
-            out, rows, config=config, jobs_total=len(planned), row_labels=labels
-        )
-    return RunReport(out, len(planned), skipped, run, summary)
+    return examples
+
+
+def _finished_rows(
+    results: Path, planned: set[tuple[str, str, float]]
+) -> tuple[list[dict[str, Any]], list[str], int]:
+    """The rows of ``planned`` jobs already in ``results`` (a line cut short by a crash
+    repaired first), the labels that name them in errors, and the next line's number."""
+    numbered = [
+        (n, r)
+        for n, r in read_numbered_results(results, repair=True)
+        if job_key(r["id"], r["method"], r["ratio"]) in planned
+    ]
+    rows = [r for _, r in numbered]
+    labels = [line_label(results, n) for n, _ in numbered]  # names rows in errors
+    next_line = results.read_bytes().count(b"\n") + 1 if results.exists() else 1
+    return rows, labels, next_line
+
+
+def _row_stream(
+    config: RunConfig,
+    units: Sequence[Unit],
+    model: Any,
+    tokenizer: Any,
+    limit: int,
+    *,
+    workers: int,
+    threads: int,
+    batch_size: int,
+    tensor_parallel_size: int | None,
+) -> Iterator[dict[str, Any]]:
+    """The pending ``units``' rows, lazily, from the engine that runs them: one vLLM engine,
+    this process (one unit or one batch at a time) or ``workers`` processes."""
+    settings = JobSettings(
+        config.model, config.question_aware, config.seed, config.truncate_middle, config.dtype
+    )
+    batches = [[u] for u in units]
+    if batch_size > 1 and config.engine == "hf":
+        model_config = model.config if model is not None else load_model_config(config.model)
+        length = _question_length(config, tokenizer, limit, model_config)
+        batches = plan_batches(units, batch_size, length)
+    if config.engine == "vllm":
+        return vllm_rows(config, units, tokenizer, limit, tensor_parallel_size=tensor_parallel_size)
+    if workers == 1 and batch_size == 1:
+        return (r for u in units for r in run_unit(model, tokenizer, u, settings))
+    if workers == 1:
+        return (r for b in batches for r in run_batch(model, tokenizer, b, settings))
+    return run_in_workers(batches, settings, min(workers, len(batches)), threads)
+
+
+def _append_rows(
+    results: Path,
+    stream: Iterator[dict[str, Any]],
+    rows: list[dict[str, Any]],
+    labels: list[str],
+    next_line: int,
+    bar: tqdm,
+) -> int:
+    """Append each row of ``stream`` to ``results`` as it comes (and to ``rows``, labelled by
+    its line); returns how many were run."""
+    run = 0
+    with results.open("a", encoding="utf-8") as f:
+        for row in stream:
+            append_row(f, row)
+            rows.append(row)
+            labels.append(line_label(results, next_line))
+            next_line += 1
+            run += 1
+            bar.update(1)
+    return run
 
 
 def _question_length(config: RunConfig, tokenizer, limit: int, model_config):
