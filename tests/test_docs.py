@@ -1,5 +1,6 @@
-"""The README and docs/: every relative link names a file that exists and, with an anchor, a
-heading of that file (anchors as GitHub writes them), so moving or renaming a section is caught."""
+"""The README and docs/ (with its subfolders, e.g. docs/measurements/): every relative link names
+a file that exists and, with an anchor, a heading of that file (anchors as GitHub writes them),
+so moving or renaming a section is caught; and no page is over 1,500 lines."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+MAX_LINES = 1500  # a page longer than this is split by topic (docs/measurements/)
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
 _FENCE = re.compile(r"^```.*?^```", re.S | re.M)
 
@@ -53,3 +55,14 @@ def test_relative_links_resolve(page):
         elif anchor and anchor not in anchors(linked):
             bad.append(f"{target} (no such heading)")
     assert not bad, f"{page.name}: {bad}"
+
+
+def test_pages_found_in_subfolders():
+    assert ROOT / "docs" / "evaluation.md" in PAGES
+    assert any(p.parent.name == "measurements" for p in PAGES)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_page_not_over_max_lines(page):
+    lines = page.read_text(encoding="utf-8").count("\n")
+    assert lines <= MAX_LINES, f"{page.name}: {lines} lines; split it by topic"
