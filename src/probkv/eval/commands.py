@@ -160,14 +160,16 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
     # (transformers, matplotlib); tests/eval/test_commands.py checks they equal its constants.
     de = subparsers.add_parser(
         "demo",
-        help="side-by-side demo on the default model: full, top-k and probabilistic eviction",
+        help="the answers each method keeps as the cache shrinks, on the default model",
         description=(
-            "Full cache, SnapKV and StreamingLLM (top-k), and probabilistic eviction with the "
-            "min-h proposal with and without correction (and with the global budget) and with "
-            "the SnapKV proposal, at r = 0.5 on three generated needle tasks (niah_single_1, "
-            "niah_single_2, niah_multikey_1), question-agnostic and question-aware. Prints "
-            "the tables and writes the figures into the output folder. Interrupted, it "
-            "resumes; delete the output folder to start over."
+            "How much of the full cache's answers each method keeps at r = 0.5, 0.75 and 0.9, "
+            "and at what prefill cost: the full cache, the best top-k baseline of each setting "
+            "(streaming_llm question-agnostic, snapkv question-aware), kvzap and prob:kvzap, "
+            "kvzip and prob:kvzip, and prob:min-h, on three generated needle tasks "
+            "(niah_single_1, niah_single_2, niah_multikey_1), question-agnostic and "
+            "question-aware. Prints the tables, where everything is and how to rerun one "
+            "part; writes results, figures and the report into the output folder. "
+            "Interrupted, it resumes; delete the output folder to start over."
         ),
     )
     de.add_argument(
@@ -318,45 +320,34 @@ def _read_json_quietly(path: Path):
 
 
 def run_demo_command(args: argparse.Namespace) -> int:
-    """``probkv demo``: run, print the table, say where the figures are."""
+    """``probkv demo``: run both settings, print the report (:func:`probkv.eval.demo.demo_report`:
+    the answers-kept table first, where everything is, how to rerun one part)."""
     from probkv.eval import demo  # loads transformers and matplotlib
 
     start = time.perf_counter()
-    runs = demo.run_demo(
-        args.out,
-        model=args.model,
-        workers=args.workers,
-        threads=args.threads,
-        length=args.length,
-        per_task=args.per_task,
-        dtype=args.dtype,
-        progress=not args.no_progress,
-    )
-    for run in runs:
-        summary = run.report.summary
-        how = (
-            "question-aware eviction (the question is inside the compressed prompt)"
-            if run.question_aware
-            else "question-agnostic eviction (the context is compressed before the question)"
+    try:
+        runs = demo.run_demo(
+            args.out,
+            model=args.model,
+            workers=args.workers,
+            threads=args.threads,
+            length=args.length,
+            per_task=args.per_task,
+            dtype=args.dtype,
+            progress=not args.no_progress,
         )
+    except KeyboardInterrupt:
         print(
-            f"\nprobkv demo: {summary['model']} ({summary['dtype']}), r = {demo.DEMO_RATIO}, "
-            f"{summary['num_examples']} examples ({', '.join(summary['tasks'])}), {how}, "
-            "greedy decoding\n"
+            f"probkv demo: interrupted; the finished jobs are saved in {args.out}: rerun the "
+            "same command to resume",
+            file=sys.stderr,
         )
-        print(demo.demo_table(summary))
-        for note in run.figures.skipped:
-            print(f"skipped {note}", file=sys.stderr)
+        return INTERRUPTED
+    text, figure = demo.demo_report(runs, args.out, workers=args.workers)
+    print("\n" + text)
+    for note in [*figure.skipped, *(n for run in runs for n in run.figures.skipped)]:
+        print(f"skipped {note}", file=sys.stderr)
     print(
-        "Scores: fraction of the needle values found in the answer (RULER string_match_all). "
-        "Effective r: fraction of the prompt's cache entries evicted (mean ± std over "
-        "examples). Why the methods differ: docs/evaluation.md."
-    )
-    out = Path(args.out)
-    figures = [p for run in runs for p in run.figures.paths]
-    print(
-        f"\nResults and summaries: {', '.join(str(out / run.setting) for run in runs)}; "
-        f"figures ({len(figures)}): {', '.join(str(p) for p in figures)}. "
         f"{sum(r.report.jobs_run for r in runs)} jobs run, "
         f"{sum(r.report.jobs_skipped for r in runs)} resumed, "
         f"{time.perf_counter() - start:.0f} s."

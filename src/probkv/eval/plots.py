@@ -5,6 +5,8 @@ From a run's summary (:func:`probkv.eval.summary.summarize`):
 - :func:`plot_scores`: average total score vs target compression ratio, one line per method,
   ``full`` as a dashed reference line; :func:`plot_scores_by_task`: the same per task.
 - :func:`plot_win_scores`: win score vs ratio (S7; eviction methods only).
+- :func:`plot_answers_kept`: the share of the full cache's answers kept vs ratio, one panel per
+  run (``probkv demo``'s first figure, one panel per setting).
 - :func:`plot_layer_ratios`: per-layer effective compression ratio of methods whose layers
   get different budgets (global scope, S3; PyramidKV, S5): x = layer, y = effective ratio, one
   line per target ratio with a band of +- 1 std over examples (the paper's Figure 9).
@@ -32,7 +34,7 @@ from typing import Any
 from matplotlib import colormaps
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import MaxNLocator, PercentFormatter
 
 from probkv.eval.config import FULL
 from probkv.eval.store import load_run
@@ -315,6 +317,93 @@ def plot_kept_of_full(summary: Mapping[str, Any], path: str | os.PathLike[str]) 
         "Answers kept",
         reference=1.0,
     )
+
+
+def plot_answers_kept(
+    panels: Sequence[tuple[str, Mapping[str, Any]]],
+    path: str | os.PathLike[str],
+    *,
+    labels: Mapping[str, str] | None = None,
+    methods: Sequence[str] | None = None,
+    title: str | None = None,
+    dpi: int = DPI,
+) -> Path:
+    """The share of the full cache's answers kept (as in :func:`plot_kept_of_full`) against
+    the target ratio, one panel per ``(panel title, summary)`` (``probkv demo``: one per
+    setting), one line per eviction method: one color per score across the panels, ``prob:``
+    methods solid and the others dashed, 100% dashed black. Points are shifted a little left or
+    right per method so that equal values stay visible. ``labels`` renames methods in the
+    shared legend (``probkv demo`` adds each method's prefill cost); ``methods`` orders it (by
+    default, the panels' methods in order of appearance). Refused (ValueError) when no panel has
+    a share (``full`` scored 0 on every example)."""
+    if not panels:
+        raise ValueError("no panels to plot: give (title, summary) pairs")
+    found: list[str] = []
+    for _, summary in panels:
+        _check_summary(summary)
+        found += [m for m in _eviction_methods(summary) if m not in found]
+    order = list(methods or ())
+    methods = [m for m in order if m in found] + [m for m in found if m not in order]
+    if not any(
+        (e.get("kept_of_full") or {}).get("kept") is not None
+        for _, summary in panels
+        for e in summary["entries"]
+    ):
+        raise ValueError(
+            "no panel has answers-kept shares: they need `full` rows with a nonzero total "
+            "score on the same examples (run `full` with the other methods)"
+        )
+    scores = list(dict.fromkeys(parse_method(m, 0.5).score for m in methods))
+    score_color = dict(zip(scores, _colors(len(scores))))
+    shift = {m: 0.009 * (i - (len(methods) - 1) / 2) for i, m in enumerate(methods)}
+    fig = Figure(figsize=(4.6 * len(panels) + 2.6, 3.9), dpi=dpi)
+    FigureCanvasAgg(fig)
+    axes = [fig.add_subplot(1, len(panels), i + 1) for i in range(len(panels))]
+    handles: dict[str, Any] = {}  # legend entries by method, in the order of ``methods``
+    for ax, (panel_title, summary) in zip(axes, panels):
+        kept = {
+            (e["method"], e["ratio"]): e["kept_of_full"]["kept"]
+            for e in summary["entries"]
+            if (e.get("kept_of_full") or {}).get("kept") is not None
+        }
+        ratios = sorted({r for _, r in kept}) or [0.0]
+        ref = ax.axhline(1.0, **_REFERENCE_STYLE)
+        handles.setdefault(FULL, ref)
+        for m in methods:
+            pts = sorted((r, v) for (method, r), v in kept.items() if method == m)
+            if not pts:
+                continue
+            (line,) = ax.plot(
+                [r + shift[m] for r, _ in pts],
+                [v for _, v in pts],
+                marker="o" if m.startswith("prob:") else "s",
+                markersize=5,
+                color=score_color[parse_method(m, 0.5).score],
+                linestyle="-" if m.startswith("prob:") else "--",
+                linewidth=1.8,
+            )
+            handles.setdefault(m, line)
+        _ratio_axis(ax, ratios)
+        ax.set_ylim(-0.03, 1.05)
+        ax.yaxis.set_major_formatter(PercentFormatter(1.0))
+        _style_axes(ax, "target compression ratio r (fraction evicted)", "")
+        ax.set_title(panel_title, fontsize=_FONT["label"])
+    axes[0].set_ylabel("share of the full cache's answers kept", fontsize=_FONT["label"])
+    fig.legend(
+        [handles[m] for m in [FULL, *methods] if m in handles],
+        [
+            "full (no eviction)" if m == FULL else (labels or {}).get(m, m)
+            for m in [FULL, *methods]
+            if m in handles
+        ],
+        fontsize=_FONT["legend"],
+        loc="center left",
+        bbox_to_anchor=(1.0, 0.5),
+    )
+    if title:
+        fig.suptitle(title, fontsize=_FONT["title"])
+    fig.tight_layout()
+    return _save(fig, path)
 
 
 def varies_by_layer(method: str) -> bool:
