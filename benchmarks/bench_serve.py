@@ -308,10 +308,14 @@ def client_command(args, model_dir: Path, port: int, result: Path) -> list[str]:
 
 
 def failure_reason(log: Path) -> str:
-    """The last error line of a server's log (its refusal of an option, say)."""
+    """The last error of a server's log (its refusal of an option, say) with the lines that
+    follow it: pydantic puts the message of a refused configuration under its header."""
     lines = [x.strip() for x in log.read_text(errors="replace").splitlines() if x.strip()]
-    errors = [x for x in lines if re.search(r"(Error|Exception)\b.*:", x)]
-    return (errors or lines or ["no output"])[-1][-400:]
+    errors = [i for i, x in enumerate(lines) if re.search(r"(Error|Exception)\b.*:", x)]
+    if not errors:
+        return (lines or ["no output"])[-1][-400:]
+    message = [x for x in lines[errors[-1] : errors[-1] + 4] if "further information" not in x]
+    return re.sub(r" \[type=.*", "", " ".join(message))[-400:]
 
 
 def stop(server: subprocess.Popen) -> None:

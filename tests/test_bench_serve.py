@@ -80,3 +80,16 @@ def test_tiny_run_through_vllms_server_and_client(load_benchmark, tmp_path, caps
     assert rows["snapkv r=0.5"]["mean_freed_blocks"] > 0
     assert rows["plain C"]["evicted_requests"] == 0
     assert len(data["ratios"]) == 3
+
+
+def test_a_refusal_is_read_from_the_server_log(load_benchmark, tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text(
+        'INFO starting\nTraceback (most recent call last):\n  File "x.py", line 1\n'
+        "pydantic_core._pydantic_core.ValidationError: 1 validation error for VllmConfig\n"
+        "  Value error, probkv eviction in vLLM: prefix caching shares blocks "
+        "[type=value_error, input_value=ArgsKwargs(())]\n"
+        "    For further information visit the docs\n"
+    )
+    reason = load_benchmark("bench_serve").failure_reason(log)
+    assert reason.endswith("Value error, probkv eviction in vLLM: prefix caching shares blocks")
