@@ -292,7 +292,7 @@ def _palette_png(path: Path, colors: int = 128) -> Path:
 def _header(runs: Sequence[DemoRun]) -> str:
     summary = runs[0].report.summary
     config = runs[0].config
-    tasks = ", ".join(summary["tasks"])
+    tasks = ", ".join(t for t in config.tasks if t in summary["tasks"])
     return (
         f"probkv demo: {config.model} ({config.dtype}), {summary['num_examples']} "
         f"generated needle prompts of about {config.lengths[0]} tokens per setting ({tasks}; "
