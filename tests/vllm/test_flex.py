@@ -1,0 +1,303 @@
+"""probkv.vllm.flex: torch's flex_attention with probkv's score_mod / mask_mod equals corrected
+attention (S4) over each request's kept entries with their log-weights, in both environments
+(pure torch; eager flex_attention runs on the CPU). The test of vLLM's FlexAttention metadata
+imports vLLM inside itself and is skipped where vLLM is not installed. On a machine with CUDA the
+compiled kernel is checked as well (docs/vllm.md, "A GPU path (untested)")."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import and_masks, create_block_mask, flex_attention
+
+from probkv.estimation import corrected_attention, corrected_attention_reference
+from probkv.vllm.flex import KeptTables, kept_tables, mask_mod, packed_score_mod, score_mod
+from probkv.vllm.requests import decode_attention
+
+HQ, HKV, D = 9, 3, 16  # SmolLM2's 9 query / 3 KV heads
+SCALE = D**-0.5
+# per request: prompt length t, tokens after the prompt g (queries are the last q of t + g)
+PROMPTS, AFTER = (37, 16, 29), (6, 3, 9)
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here"),
+    ),
+]
+
+
+def eager_flex(*args, **kwargs):
+    """flex_attention without torch.compile: its unfused reference path, which runs on the CPU
+    (it warns that it materialises the scores; that is what a test wants)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*without torch.compile.*")
+        return flex_attention(*args, **kwargs)
+
+
+def kept_sets(seed: int, block: int, weighted: bool, prompts=PROMPTS):
+    """Per request the kept prompt positions and log-weights: whole units of ``block``
+    positions, about half of them, the last (partial) unit kept or not; ``-log P`` per unit."""
+    g = torch.Generator().manual_seed(seed)
+    positions, log_weights = [], []
+    for t in prompts:
+        units = -(-t // block)
+        kept = torch.rand(units, generator=g) < 0.5
+        kept[torch.randint(units, (1,), generator=g)] = True  # never empty
+        inclusion = torch.rand(units, generator=g) * 0.9 + 0.05
+        unit_logw = -torch.log(inclusion) if weighted else torch.zeros(units)
+        pos = torch.arange(t)
+        keep = kept[pos // block]
+        positions.append(pos[keep])
+        log_weights.append(unit_logw[pos // block][keep].float())
+    return positions, log_weights
+
+
+def batch(seed: int, dtype, queries: int):
+    """Right-padded ``q [R, Hq, Q, D]``, ``k``/``v [R, Hkv, N, D]`` of the requests; padding is
+    huge, so that reading it shows."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [t + a for t, a in zip(PROMPTS, AFTER)]
+    n, r = max(lengths), len(PROMPTS)
+    q = torch.full((r, HQ, queries, D), 1e4, dtype=dtype)
+    k = torch.full((r, HKV, n, D), 1e4, dtype=dtype)
+    v = torch.full((r, HKV, n, D), 1e6, dtype=dtype)
+    for i, length in enumerate(lengths):
+        q[i] = torch.randn(HQ, queries, D, generator=g, dtype=dtype)
+        k[i, :, :length] = 2 * torch.randn(HKV, length, D, generator=g, dtype=dtype)
+        v[i, :, :length] = torch.randn(HKV, length, D, generator=g, dtype=dtype)
+    return q, k, v, lengths
+
+
+def causal(lengths, queries: int, device="cpu"):
+    """Row ``b``'s query ``j`` sits at position ``n_b - queries + j`` and sees ``kv <= it``."""
+    last = torch.tensor(lengths, device=device) - queries
+
+    def causal_mask_mod(b, h, q_idx, kv_idx):
+        return kv_idx <= last[b] + q_idx
+
+    return causal_mask_mod
+
+
+def attend(q, k, v, tables, lengths, *, kept_mask=False):
+    """Eager flex_attention of the padded batch: probkv's score_mod under the causal mask
+    (and with ``kept_mask``, probkv's mask_mod too, which adds block sparsity: the score_mod
+    hides evicted entries by itself)."""
+    mod = causal(lengths, q.shape[2])
+    if kept_mask:
+        mod = and_masks(mod, mask_mod(tables))
+    mask = create_block_mask(mod, q.shape[0], None, q.shape[2], k.shape[2], "cpu", 8)
+    return eager_flex(
+        q, k, v, score_mod=score_mod(tables), block_mask=mask, scale=SCALE, enable_gqa=True
+    )
+
+
+def reference(q, k, v, lengths, positions, log_weights, queries, i):
+    """Corrected attention of request ``i`` over its kept prompt positions and every position
+    after its prompt (``probkv.estimation.corrected_attention``)."""
+    t, n = PROMPTS[i], lengths[i]
+    index = torch.cat([positions[i], torch.arange(t, n)])
+    logw = torch.cat([log_weights[i], torch.zeros(n - t)]).to(q.dtype)
+    return corrected_attention(
+        q[i],
+        k[i][:, index],
+        v[i][:, index],
+        logw.expand(HKV, -1),
+        scale=SCALE,
+        causal_offset=index.numel() - queries,
+    )
+
+
+TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("queries", [1, 3], ids=["decode", "chunk"])
+@pytest.mark.parametrize("block", [1, 4])
+@pytest.mark.parametrize("with_mask", [False, True], ids=["score_mod", "and_mask_mod"])
+def test_flex_equals_corrected_attention(dtype, queries, block, with_mask):
+    positions, log_weights = kept_sets(1, block, weighted=True)
+    tables = kept_tables(positions, log_weights, PROMPTS, block=block)
+    q, k, v, lengths = batch(2, dtype, queries)
+    out = attend(q, k, v, tables, lengths, kept_mask=with_mask)
+    assert out.dtype == dtype
+    tol = TOLERANCE[dtype]
+    for i in range(len(PROMPTS)):
+        expected = reference(q, k, v, lengths, positions, log_weights, queries, i)
+        torch.testing.assert_close(out[i], expected, rtol=tol, atol=tol)
+
+
+def test_decode_equals_algorithm_1_in_float64():
+    """One decode query against the paper's Algorithm 1, literally (two normalisers)."""
+    positions, log_weights = kept_sets(3, 4, weighted=True)
+    tables = kept_tables(positions, log_weights, PROMPTS, block=4)
+    q, k, v, lengths = batch(4, torch.float64, 1)
+    out = attend(q, k, v, tables, lengths)
+    group = HQ // HKV
+    for i, (t, n) in enumerate(zip(PROMPTS, lengths)):
+        for h in range(HQ):
+            kv = h // group
+            expected = corrected_attention_reference(
+                q[i, h, 0],
+                k[i, kv, positions[i]],
+                v[i, kv, positions[i]],
+                log_weights[i],
+                k[i, kv, t:n],
+                v[i, kv, t:n],
+                scale=SCALE,
+            )
+            torch.testing.assert_close(out[i, h, 0], expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("queries", [1, 3], ids=["decode", "chunk"])
+def test_top_k_is_plain_attention_over_the_kept_positions(queries):
+    """Weights 0 (top-k): a plain softmax over the kept prompt positions and what follows."""
+    positions, log_weights = kept_sets(5, 4, weighted=False)
+    tables = kept_tables(positions, log_weights, PROMPTS, block=4)
+    q, k, v, lengths = batch(6, torch.float64, queries)
+    out = attend(q, k, v, tables, lengths)
+    for i, (t, n) in enumerate(zip(PROMPTS, lengths)):
+        index = torch.cat([positions[i], torch.arange(t, n)])
+        keys = k[i][:, index].repeat_interleave(HQ // HKV, 0)
+        values = v[i][:, index].repeat_interleave(HQ // HKV, 0)
+        logits = SCALE * q[i] @ keys.transpose(1, 2)  # [Hq, queries, n']
+        visible = (
+            torch.arange(index.numel()) <= index.numel() - queries + torch.arange(queries)[:, None]
+        )
+        logits = logits.masked_fill(~visible, -math.inf)
+        expected = torch.softmax(logits, -1) @ values
+        torch.testing.assert_close(out[i], expected, rtol=1e-12, atol=1e-12)
+
+
+def test_evicted_positions_get_no_mass_even_with_huge_keys():
+    """Keys aligned with the query at 1e4 times its norm and values of 1e6 at every evicted
+    position change nothing: the score_mod alone (no mask) gives them -inf."""
+    positions, log_weights = kept_sets(7, 4, weighted=True)
+    tables = kept_tables(positions, log_weights, PROMPTS, block=4)
+    q, k, v, lengths = batch(8, torch.float32, 1)
+    huge_k, huge_v = k.clone(), v.clone()
+    for i, t in enumerate(PROMPTS):
+        evicted = torch.ones(t, dtype=torch.bool)
+        evicted[positions[i]] = False
+        direction = q[i, :: HQ // HKV, 0]  # [Hkv, D]: the first query head of each group
+        huge_k[i, :, :t][:, evicted] = 1e4 * direction[:, None, :]
+        huge_v[i, :, :t][:, evicted] = 1e6
+    out = attend(q, huge_k, huge_v, tables, lengths)
+    assert torch.isfinite(out).all() and out.abs().max() < 100
+    for i in range(len(PROMPTS)):
+        expected = reference(q, k, v, lengths, positions, log_weights, 1, i)
+        torch.testing.assert_close(out[i], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_form_is_vllm_layout_decode_attention():
+    """vLLM's form: every request's queries packed in one row; a wrapper maps the packed
+    key index to the request's logical position, as vLLM's ``get_transformed_score_mod`` does.
+    Equals ``probkv.vllm.requests.decode_attention`` (the CPU backend's decode)."""
+    positions, log_weights = kept_sets(9, 4, weighted=True)
+    tables = kept_tables(positions, log_weights, PROMPTS, block=4)
+    queries = [1, 3, 2]
+    g = torch.Generator().manual_seed(10)
+    lengths = [t + a for t, a in zip(PROMPTS, AFTER)]
+    q_start = torch.tensor([0, *torch.tensor(queries).cumsum(0).tolist()])
+    kv_start = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    doc = torch.repeat_interleave(torch.arange(3), torch.tensor(queries))
+    kv_doc = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))
+    q = torch.randn(1, HQ, int(q_start[-1]), D, generator=g)
+    k = torch.randn(1, HKV, int(kv_start[-1]), D, generator=g)
+    v = torch.randn(1, HKV, int(kv_start[-1]), D, generator=g)
+    user = packed_score_mod(tables, doc)
+    last_q = torch.tensor(lengths) - torch.tensor(queries)
+
+    def transformed(score, b, h, q_idx, kv_idx):  # vLLM's wrapper, in miniature
+        r = doc[q_idx]
+        logical_q = q_idx - q_start[r] + last_q[r]
+        logical_kv = kv_idx - kv_start[r]
+        valid = (kv_doc[kv_idx] == r) & (logical_kv <= logical_q)
+        inner = user(score, b, h, logical_q, logical_kv, physical_q=q_idx)
+        return torch.where(valid, inner, -math.inf)
+
+    out = eager_flex(q, k, v, score_mod=transformed, scale=SCALE, enable_gqa=True)
+    for i, (t, n) in enumerate(zip(PROMPTS, lengths)):
+        index = torch.cat([positions[i], torch.arange(t, n)])
+        logw = torch.cat([log_weights[i], torch.zeros(n - t)])
+        keys = k[0, :, kv_start[i] : kv_start[i + 1]][:, index].transpose(0, 1)  # [n', Hkv, D]
+        values = v[0, :, kv_start[i] : kv_start[i + 1]][:, index].transpose(0, 1)
+        rows = q[0, :, q_start[i] : q_start[i + 1]].transpose(0, 1)  # [q, Hq, D]
+        expected = decode_attention(rows, keys, values, logw, scale=SCALE)
+        got = out[0, :, q_start[i] : q_start[i + 1]].transpose(0, 1)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_tables_hold_log_weights_minus_inf_and_lengths():
+    positions = [torch.tensor([0, 1, 2, 3, 8, 9]), torch.tensor([], dtype=torch.int64)]
+    log_weights = [torch.tensor([0.5] * 4 + [1.5] * 2), torch.tensor([])]
+    tables = kept_tables(positions, log_weights, [10, 0], block=4)
+    inf = math.inf
+    assert torch.equal(tables.log_weights, torch.tensor([[0.5, -inf, 1.5], [-inf, -inf, -inf]]))
+    assert tables.prompt_lengths.tolist() == [10, 0] and tables.block == 4
+    by_position = kept_tables(positions, log_weights, [10, 0])
+    assert by_position.log_weights[0].tolist() == [0.5] * 4 + [-inf] * 4 + [1.5] * 2
+
+
+def test_tables_written_in_place_equal_new_ones():
+    """Fixed-size tables refilled step after step (a compiled kernel keeps its shapes)."""
+    out = KeptTables.empty(5, 12, 4)
+    for seed in (11, 12):
+        positions, log_weights = kept_sets(seed, 4, weighted=True)
+        fresh = kept_tables(positions, log_weights, PROMPTS, block=4)
+        filled = kept_tables(positions, log_weights, PROMPTS, block=4, out=out)
+        assert filled is out
+        rows, width = fresh.log_weights.shape
+        assert torch.equal(out.log_weights[:rows, :width], fresh.log_weights)
+        assert (out.log_weights[rows:] == -math.inf).all()
+        assert (out.log_weights[:, width:] == -math.inf).all()
+        assert out.prompt_lengths.tolist() == [*PROMPTS, 0, 0]
+    with pytest.raises(ValueError, match="units of 4"):
+        kept_tables([torch.arange(100)], [torch.zeros(100)], [100], block=4, out=out)
+
+
+@pytest.mark.parametrize(
+    ("positions", "log_weights", "lengths", "block", "match"),
+    [
+        ([torch.tensor([0, 1, 2])], [torch.zeros(3)], [8], 4, "block of 4 positions 0 is not"),
+        ([torch.tensor([0, 1, 2, 3])], [torch.tensor([0.0, 0, 0, 1])], [8], 4, "one log-weight"),
+        ([torch.tensor([0, 1, 2, 2])], [torch.zeros(4)], [8], 4, "twice"),
+        ([torch.tensor([8])], [torch.zeros(1)], [8], 1, "outside its prompt"),
+        ([torch.tensor([-1])], [torch.zeros(1)], [8], 1, "outside its prompt"),
+        ([torch.tensor([0])], [torch.tensor([math.nan])], [8], 1, "finite"),
+        ([torch.tensor([0])], [torch.zeros(2)], [8], 1, "shape"),
+        ([torch.tensor([0])], [torch.zeros(1)], [8, 4], 1, "prompt_lengths"),
+        ([torch.tensor([0])], [torch.zeros(1)], [8], 0, "block"),
+        ([], [], [], 1, "one tensor per request"),
+    ],
+)
+def test_bad_kept_sets_are_refused(positions, log_weights, lengths, block, match):
+    with pytest.raises(ValueError, match=match):
+        kept_tables(positions, log_weights, lengths, block=block)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_kernel_traces_the_mods(device):
+    """torch.compile(flex_attention, fullgraph=True), as vLLM calls it: the mods trace without
+    a graph break and give the eager result (on CUDA: the Triton kernel a GPU run uses)."""
+    positions, log_weights = kept_sets(13, 16, weighted=True, prompts=(70, 40))
+    tables = kept_tables(positions, log_weights, (70, 40), block=16, device=device)
+    g = torch.Generator().manual_seed(14)
+    q = torch.randn(2, HQ, 16, D, generator=g).to(device)
+    k = torch.randn(2, HKV, 128, D, generator=g).to(device)
+    v = torch.randn(2, HKV, 128, D, generator=g).to(device)
+    lengths = [128, 80]
+    both = and_masks(causal(lengths, 16, device), mask_mod(tables))
+    mask = create_block_mask(both, 2, None, 16, 128, device)
+    compiled = torch.compile(flex_attention, fullgraph=True)
+    out = compiled(
+        q, k, v, score_mod=score_mod(tables), block_mask=mask, scale=SCALE, enable_gqa=True
+    )
+    expected = eager_flex(
+        q, k, v, score_mod=score_mod(tables), block_mask=mask, scale=SCALE, enable_gqa=True
+    )
+    tol = 1e-5 if device == "cpu" else 1e-3  # a GPU's kernel may round matmuls (TF32)
+    torch.testing.assert_close(out, expected, rtol=tol, atol=tol)
