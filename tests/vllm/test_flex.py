@@ -14,7 +14,14 @@ import torch
 from torch.nn.attention.flex_attention import and_masks, create_block_mask, flex_attention
 
 from probkv.estimation import corrected_attention, corrected_attention_reference
-from probkv.vllm.flex import KeptTables, kept_tables, mask_mod, packed_score_mod, score_mod
+from probkv.vllm.flex import (
+    KeptTables,
+    batch_tables,
+    kept_tables,
+    mask_mod,
+    packed_score_mod,
+    score_mod,
+)
 from probkv.vllm.requests import decode_attention
 
 HQ, HKV, D = 9, 3, 16  # SmolLM2's 9 query / 3 KV heads
@@ -240,6 +247,21 @@ def test_tables_hold_log_weights_minus_inf_and_lengths():
     assert tables.prompt_lengths.tolist() == [10, 0] and tables.block == 4
     by_position = kept_tables(positions, log_weights, [10, 0])
     assert by_position.log_weights[0].tolist() == [0.5] * 4 + [-inf] * 4 + [1.5] * 2
+
+
+def test_batch_tables_read_each_rows_kept_prefix():
+    """One row per batch request; a request that evicts nothing (None) weighs every
+    position 0; a batch where none has evicted needs no tables."""
+    from types import SimpleNamespace
+
+    kept = SimpleNamespace(
+        positions=torch.arange(4, 8), log_weights=torch.full((4,), 0.25), prompt_length=10
+    )
+    tables = batch_tables([None, kept], block=2)
+    inf = math.inf
+    assert tables.log_weights.tolist() == [[-inf] * 5, [-inf, -inf, 0.25, 0.25, -inf]]
+    assert tables.prompt_lengths.tolist() == [0, 10]
+    assert batch_tables([None, None], block=2) is None
 
 
 def test_tables_written_in_place_equal_new_ones():

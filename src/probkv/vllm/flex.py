@@ -11,7 +11,8 @@ logit of the key at sequence index ``kv`` of request ``r`` gets
 
 which is ``probkv.estimation.corrected_attention`` over the kept entries. ``kept_tables`` builds
 the dense tables the mods index, ``[R, W]`` float32 over units of ``block`` positions, in one
-vectorised step from the requests' kept sets. Requests that evict nothing get a row with prompt
+vectorised step from the requests' kept sets (``batch_tables``: from one step's
+``KeptPrefix`` per batch row; ``KeptTables.empty`` and ``out=`` keep fixed shapes). Requests that evict nothing get a row with prompt
 length 0 (every position weight 0). Indices are clamped, so the mods may be evaluated at any
 ``(b, kv_idx)`` (vLLM evaluates them at invalid positions and discards the result).
 
@@ -28,8 +29,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from probkv.vllm.requests import KeptPrefix
 
 NEG_INF = -math.inf
 
@@ -145,6 +150,29 @@ def kept_tables(
     out.prompt_lengths.zero_()
     out.prompt_lengths[:rows].copy_(lengths, non_blocking=True)
     return out
+
+
+def batch_tables(
+    kept: Sequence[KeptPrefix | None],
+    *,
+    block: int = 1,
+    out: KeptTables | None = None,
+    device: torch.device | str | None = None,
+) -> KeptTables | None:
+    """The tables of one step's batch, row ``i`` for the batch's request ``i``: its kept prefix
+    (``probkv.vllm.requests.KeptPrefix``, true positions), or None where it evicts nothing (not
+    evicting, or not selected yet). None when no request of the batch has evicted."""
+    if all(k is None for k in kept):
+        return None
+    empty = torch.zeros(0, dtype=torch.int64)
+    return kept_tables(
+        [empty if k is None else k.positions for k in kept],
+        [empty.float() if k is None else k.log_weights for k in kept],
+        [0 if k is None else k.prompt_length for k in kept],
+        block=block,
+        out=out,
+        device=device,
+    )
 
 
 def _bias(
