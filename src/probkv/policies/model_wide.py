@@ -58,12 +58,15 @@ def select(
 ) -> list[RaggedSelection]:
     """The same blocks for every observation, by ``policy``'s ``ratio``, ``block`` and
     ``aggregate``. ``pis``: each layer's ``[H, t]`` proposal (zero at forced entries,
-    ``obs.forced``); ``choose(mass, forced, k)`` gives the kept blocks (bool ``[K]``) and their
+    ``obs.forced``); the last block, when partial, is forced too: a paged cache writes the next
+    tokens into it, so an engine that lists only the kept blocks (S12) must keep it; ``choose(mass, forced, k)`` gives the kept blocks (bool ``[K]``) and their
     inclusion probabilities (``None``: no weights); the log-weights are ``-log P_b / tau``."""
     block = policy.block
     t = common_length(observations)
     mass = model_blocks.block_masses(pis, block, policy.aggregate)
     forced = model_blocks.forced_blocks([obs.forced for obs in observations], t, block)
+    if t % block:  # the last, partial block takes the next tokens in a paged cache (S12)
+        forced[-1] = True
     k = model_blocks.block_budget(budgets.uniform_budget(t, policy.ratio), t, block)
     kept_blocks, inclusion = choose(mass, forced, k)
     kept = model_blocks.expand(kept_blocks, t, block)
