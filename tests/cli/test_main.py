@@ -104,7 +104,9 @@ def test_models_lists_install_and_cache_state(tmp_path, monkeypatch, capsys, cac
         in out
     )
 
+    assert cli.main(["models", "--path", "listed"]) == 0  # converts it: vLLM's --model
     converted = models.resolve_model("listed").path
+    assert capsys.readouterr().out == f"{converted}\n"
     assert cli.main(["models"]) == 0
     assert (
         f"listed: a tiny test model\n    installed; cached at {converted}"

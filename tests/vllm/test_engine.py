@@ -106,3 +106,14 @@ def test_refused_by_name_before_an_engine_starts(tmp_path):
     with pytest.raises(ValueError, match=r"--tensor-parallel-size 2 applies to --engine vllm"):
         run_eval(_config("hf"), tmp_path / "hf", tensor_parallel_size=2, progress=False)
     assert not (tmp_path / "bad").exists() and not (tmp_path / "hf").exists()
+
+
+def test_more_ranks_than_cores_bind_one_core_per_rank(monkeypatch, capsys):
+    from probkv.vllm.engine import THREADS_BIND, bind_threads
+
+    monkeypatch.delenv(THREADS_BIND, raising=False)
+    assert bind_threads(2, cores=2) is None  # vLLM's own binding works
+    assert bind_threads(3, cores=2) == "0|1|0"
+    assert os.environ[THREADS_BIND] == "0|1|0" and THREADS_BIND in capsys.readouterr().err
+    monkeypatch.setenv(THREADS_BIND, "nobind")
+    assert bind_threads(3, cores=2) is None and os.environ[THREADS_BIND] == "nobind"

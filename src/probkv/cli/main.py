@@ -128,6 +128,12 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     models = subparsers.add_parser(
         "models", help="list the registry models, installed or not, and their cache state"
     )
+    models.add_argument(
+        "--path",
+        metavar="NAME",
+        help="print only the Hugging Face folder of model NAME, converting its GGUF first if "
+        "needed (what vLLM's --model takes)",
+    )
     models.set_defaults(handler=_run_models)
 
 
@@ -180,7 +186,11 @@ def check_generation_fits(prompt_tokens: int, max_new_tokens: int, limit: int) -
 
 def _run_models(args: argparse.Namespace) -> int:
     """Print every registry model: installed or not (with the install command), cache state,
-    and whether a kvzap scorer is shipped for it (S11)."""
+    and whether a kvzap scorer is shipped for it (S11). With ``--path NAME``: only that
+    model's folder, converted first if needed."""
+    if args.path is not None:
+        print(resolve_model(args.path).path)
+        return 0
     print(f"cache: {cache_root()}")
     scorers = scorer_names()
     for name in model_names():

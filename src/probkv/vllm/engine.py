@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -118,13 +119,37 @@ class Result:
     prompt_blocks: int
 
 
+#: vLLM's CPU thread binding; its default (``auto``) fails when ranks outnumber the cores.
+THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def bind_threads(tensor_parallel_size: int, cores: int | None = None) -> str | None:
+    """With more tensor-parallel ranks than cores, vLLM's default thread binding fails an
+    assertion: unless the user set ``VLLM_CPU_OMP_THREADS_BIND``, bind rank i to core
+    ``i mod cores`` (``0|1|0`` for 3 ranks on 2 cores), say so on stderr, and return the value
+    set (None: nothing set)."""
+    cores = cores or os.cpu_count() or 1
+    if tensor_parallel_size <= cores or os.environ.get(THREADS_BIND):
+        return None
+    value = "|".join(str(rank % cores) for rank in range(tensor_parallel_size))
+    os.environ[THREADS_BIND] = value
+    print(
+        f"[probkv] {tensor_parallel_size} tensor-parallel ranks on {cores} cores: "
+        f"{THREADS_BIND}={value} (vLLM's default binding fails with more ranks than cores; "
+        "set it yourself to choose)",
+        file=sys.stderr,
+    )
+    return value
+
+
 class VllmRunner:
     """One evicting vLLM engine for a whole evaluation (module docstring).
 
     ``max_model_len``: the longest prompt plus its new tokens; ``kv_cache_bytes``: the KV
     memory (default: :data:`DEFAULT_CONCURRENT` requests of ``max_model_len``); at most as
     many requests run at once as fit whole in it (``max_num_seqs``), so no request is ever
-    preempted (the plugin refuses a preemption after eviction)."""
+    preempted (a preempted request is recomputed: the same tokens, more time). With more
+    tensor-parallel ranks than cores, threads are bound by :func:`bind_threads`."""
 
     def __init__(
         self,
@@ -139,6 +164,8 @@ class VllmRunner:
         from vllm import LLM
 
         from probkv.vllm import engine_options
+
+        bind_threads(tensor_parallel_size)
 
         fd, report = tempfile.mkstemp(prefix="probkv-vllm-", suffix=".jsonl")
         os.close(fd)
