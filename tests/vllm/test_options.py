@@ -12,10 +12,13 @@ from probkv.scores.surrogate import shipped_scorers
 from probkv.vllm import engine_options, request_options
 from probkv.vllm.options import (
     DEFAULT_WORKER,
+    EngineEviction,
     check_engine,
+    check_request,
     check_version,
     policy_for,
     read_options,
+    request_eviction,
 )
 
 
@@ -121,11 +124,6 @@ def test_options_are_checked_by_name():
     ]:
         with pytest.raises(ValueError, match=match):
             read_options(raw)
-    assert request_options("prob:snapkv", 0.5) == {
-        "probkv": {"method": "prob:snapkv", "ratio": 0.5}
-    }
-    with pytest.raises(ValueError, match=r"2\.0"):
-        request_options("snapkv", 2.0)
     kwargs = engine_options("snapkv", 0.5)
     assert kwargs["enable_prefix_caching"] is False
     assert kwargs["additional_config"]["probkv"]["method"] == "snapkv"
@@ -163,3 +161,68 @@ def test_another_vllm_minor_version_is_refused():
     check_version("0.32.1")
     with pytest.raises(ValueError, match=r"0\.33\.0"):
         check_version("0.33.0")
+
+
+ENGINE = EngineEviction("snapkv", 0.5, report="rows.jsonl")
+
+
+def test_a_request_chooses_its_method_and_ratio_with_flat_keys():
+    """The one per-request form: flat keys, as vLLM's ``vllm_xargs`` takes them over HTTP and
+    as ``request_options`` writes them in Python; either key may be left out."""
+    flat = request_options("prob:snapkv", 0.75)
+    assert flat == {"probkv_method": "prob:snapkv", "probkv_ratio": 0.75}
+    assert request_eviction(flat, ENGINE) == EngineEviction("prob:snapkv", 0.75, "rows.jsonl")
+    assert check_request({**flat, "session_id": "s"}, ENGINE, 32).method == "prob:snapkv"
+    assert request_eviction({"probkv_ratio": 0.25}, ENGINE) == EngineEviction(
+        "snapkv", 0.25, "rows.jsonl"
+    )
+    assert request_eviction({"probkv_method": "tova"}, ENGINE).ratio == 0.5
+    assert request_eviction({"probkv_ratio": 0}, ENGINE).ratio == 0.0  # an int: JSON's 0
+    for none in (None, {}, {"kv_transfer_params": {"x": 1}}):  # other keys: not probkv's
+        assert request_eviction(none, ENGINE) is ENGINE
+        assert check_request(none, ENGINE, 32) is ENGINE
+    # options of the method are policy_for's: the engine's block is accepted, another refused
+    assert check_request({"probkv_method": "snapkv/block=32"}, ENGINE, 32).method.endswith("32")
+    assert request_options("snapkv/block=32", 0.5)["probkv_method"] == "snapkv/block=32"
+    with pytest.raises(ValueError, match=r"probkv_ratio=2\.0.*got 2\.0"):
+        request_options("snapkv", 2.0)
+
+
+@pytest.mark.parametrize(
+    ("extra_args", "match"),
+    [
+        ({"probkv": "no-such-method"}, r"'probkv'='no-such-method'.*flat keys.*probkv_method"),
+        ({"probkv": {"method": "snapkv", "ratio": 0.5}}, r"'probkv'=\{'method'.*flat keys"),
+        ({"probkv_rato": 0.5}, r"unknown.*\['probkv_rato'\]; allowed: \['probkv_method', "),
+        ({"probkv_report": "x.jsonl"}, r"\['probkv_report'\]"),
+        ({"probkv_method": "no-such-method"}, r"unknown method 'no-such-method'; valid methods"),
+        ({"probkv_method": "prob:nope"}, r"unknown score 'nope'.*valid scores"),
+        ({"probkv_method": ["snapkv"]}, r"probkv_method must be a probkv method name.*\['snapkv'\]"),
+        ({"probkv_method": " "}, r"probkv_method must be"),
+        ({"probkv_ratio": "half"}, r"probkv_ratio must be a number in \[0, 1\).*'half'"),
+        ({"probkv_ratio": "0.5"}, r"probkv_ratio must be a number.*'0\.5'"),
+        ({"probkv_ratio": True}, r"probkv_ratio must be a number.*True"),
+        ({"probkv_ratio": 1.5}, r"ratio must be in \[0, 1\).*1\.5"),
+        ({"probkv_method": "kvzip"}, r"probkv_method='kvzip'.*cannot run in vLLM.*repeat the"),
+        ({"probkv_method": "ada_snapkv"}, r"probkv_method='ada_snapkv'.*scope=model"),
+        ({"probkv_method": "snapkv/block=16"}, r"block=16.*hold 32 positions"),
+        ({"probkv_method": "snapkv/scope=head"}, r"scope=head"),
+        ({"probkv_method": "snapkv/speed=2"}, r"unknown option 'speed'"),
+        ("probkv_method=snapkv", r"extra_args must be a mapping"),
+    ],
+)  # fmt: skip
+def test_a_bad_request_option_is_refused_with_the_value_and_what_is_allowed(extra_args, match):
+    with pytest.raises(ValueError, match=match):
+        check_request(extra_args, ENGINE, 32)
+
+
+def test_the_admission_check_reads_the_engines_model_and_ranks():
+    """kvzap per request: the model's shipped scorer and the tensor-parallel split are checked
+    as for the engine's own option."""
+    flat = request_options("prob:kvzap", 0.5)
+    assert check_request(flat, ENGINE, 32, smollm2_config(), 3).method == "prob:kvzap"
+    other = smollm2_config(num_hidden_layers=31, _name_or_path="my/llama")
+    with pytest.raises(ValueError, match=r"'prob:kvzap'.*no scorer for model 'my/llama'"):
+        check_request(flat, ENGINE, 32, other)
+    with pytest.raises(ValueError, match="tensor_parallel_size=9"):
+        check_request(flat, ENGINE, 32, smollm2_config(), 9)

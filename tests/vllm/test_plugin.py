@@ -5,13 +5,17 @@ probkv's transformers integration under the same selection. Runs in the vLLM env
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 
 import pytest
 import torch
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: make test-vllm runs it")
+
+from vllm.exceptions import VLLMValidationError  # noqa: E402
 
 from probkv.hf import ProbKVCache, prepare_model  # noqa: E402
 from probkv.models import chat_prompt_ids, load_model, resolve_model  # noqa: E402
@@ -193,6 +197,43 @@ def test_full_and_ratio_zero_leave_vllms_output_alone(engine, prompt):
     full, _ = vllm_greedy(llm, prompt, "full", 0.5)
     zero, _ = vllm_greedy(llm, prompt, "snapkv", 0.0)
     assert full == zero
+
+
+@contextlib.contextmanager
+def bounded(seconds: int = 300):
+    """Fails the test when the block has not finished within ``seconds`` (a hung engine fails
+    instead of hanging the run); an alarm, since vLLM's CPU attention runs only in the thread
+    that started the engine."""
+
+    def stop(signum, frame):
+        raise TimeoutError(f"no answer within {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_bad_request_option_fails_its_call_and_the_same_llm_serves_on(engine, prompt):
+    """Checked when vLLM admits the request (probkv.vllm.admission), before the engine core:
+    ``LLM.generate`` raises vLLM's request-validation error with the reason (its cause,
+    probkv's ValueError), the call's requests already added are aborted, and the same LLM
+    answers the next call as before."""
+    llm, _ = engine
+    with bounded():
+        before, _ = vllm_greedy(llm, prompt, "snapkv", 0.5)
+    params = [
+        vllm.SamplingParams(temperature=0, max_tokens=NEW_TOKENS, extra_args=extra)
+        for extra in (request_options("snapkv", 0.5), {"probkv_method": "no-such-method"})
+    ]
+    with bounded(), pytest.raises(VLLMValidationError, match="method 'no-such-method'") as refused:
+        llm.generate([{"prompt_token_ids": prompt}] * 2, params, use_tqdm=False)
+    assert isinstance(refused.value.__cause__, ValueError)
+    with bounded():
+        assert vllm_greedy(llm, prompt, "snapkv", 0.5)[0] == before
 
 
 @pytest.mark.parametrize(

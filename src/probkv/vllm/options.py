@@ -2,13 +2,16 @@
 
 The option: ``additional_config={"probkv": {"method": NAME, "ratio": R}}`` (``vllm serve
 --additional-config '{"probkv": {...}}'``), with the method names of ``probkv eval`` (S1-S11;
-``docs/methods.md``). A request may override both through
-``SamplingParams(extra_args=request_options(NAME, R))``. Everything here is pure Python on
-vLLM's config objects, read by attribute; nothing is imported from vLLM.
+``docs/methods.md``). A request may override both with flat ``extra_args`` keys,
+``{"probkv_method": NAME, "probkv_ratio": R}``: ``request_options(NAME, R)`` in Python, the same
+keys in ``vllm_xargs`` over HTTP (vLLM takes only flat values there). ``check_request`` is every
+refusal of a request, run at admission (``probkv.vllm.admission``). Everything here is pure
+Python on vLLM's config objects, read by attribute; nothing is imported from vLLM.
 """
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -20,6 +23,8 @@ from probkv.scores.scorer_lookup import model_shapes, with_scorer
 KEY = "probkv"
 TESTED_VLLM = "0.32"  # the minor version the plugin was written and tested against
 OPTION_KEYS = ("method", "ratio", "report")
+METHOD_KEY, RATIO_KEY = f"{KEY}_method", f"{KEY}_ratio"  # a request's flat extra_args keys
+REQUEST_KEYS = (METHOD_KEY, RATIO_KEY)
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 WORKER = "probkv.vllm.worker.ProbKVWorker"
 SCHEDULER = "probkv.vllm.scheduler.ProbKVScheduler"
@@ -70,10 +75,80 @@ def read_options(raw: object, where: str = "additional_config['probkv']") -> Eng
 
 
 def request_options(method: str, ratio: float) -> dict:
-    """``SamplingParams.extra_args`` that make one request use ``method`` at ``ratio``
-    (checked here, before the request reaches the engine)."""
-    parse_method(method, ratio)
-    return {KEY: {"method": method, "ratio": float(ratio)}}
+    """``SamplingParams.extra_args`` that make one request use ``method`` at ``ratio``: the
+    flat keys a client sends in ``vllm_xargs`` over HTTP (the name and ratio checked here; what
+    the engine can run is checked at admission, ``check_request``)."""
+    _check_name(method, ratio)
+    return {METHOD_KEY: method, RATIO_KEY: float(ratio)}
+
+
+def _check_name(method: object, ratio: object) -> None:
+    """The method's name (its options, such as ``block``, are ``policy_for``'s) and the ratio."""
+    if not isinstance(method, str) or not method.strip():
+        raise ValueError(
+            f"{METHOD_KEY} must be a probkv method name (e.g. 'prob:snapkv'), got {method!r}"
+        )
+    if isinstance(ratio, bool) or not isinstance(ratio, numbers.Real):
+        raise ValueError(
+            f"{RATIO_KEY} must be a number in [0, 1), the share of the prompt evicted, "
+            f"got {ratio!r}"
+        )
+    try:
+        parse_method(method.split("/")[0], ratio)
+    except ValueError as err:
+        raise ValueError(f"{METHOD_KEY}={method!r}, {RATIO_KEY}={ratio!r}: {err}") from None
+
+
+def request_eviction(extra_args: object, engine: EngineEviction) -> EngineEviction:
+    """The method and ratio one request runs: its flat ``extra_args`` keys
+    (``probkv_method``, ``probkv_ratio``; either may be left out) over the engine's option,
+    which is returned as it is when the request has none. Any other key starting with
+    ``probkv`` (the nested ``probkv`` mapping included), a method that is not a name and a
+    ratio that is not a number in [0, 1) are refused with the value and what is allowed;
+    what vLLM cannot run (``policy_for``) is refused by ``check_request``."""
+    if extra_args is None:
+        return engine
+    if not isinstance(extra_args, Mapping):
+        raise ValueError(f"extra_args must be a mapping, got {extra_args!r}")
+    ours = {k: v for k, v in extra_args.items() if isinstance(k, str) and k.startswith(KEY)}
+    if not ours:
+        return engine
+    example = f"{{{METHOD_KEY!r}: 'prob:snapkv', {RATIO_KEY!r}: 0.75}}"
+    if KEY in ours:
+        raise ValueError(
+            f"probkv's per-request option {KEY!r}={ours[KEY]!r} is not read: a request takes "
+            f"flat keys, e.g. {example} (vllm_xargs over HTTP; request_options() in Python)"
+        )
+    unknown = sorted(set(ours) - set(REQUEST_KEYS))
+    if unknown:
+        raise ValueError(
+            f"unknown probkv request option(s) {unknown}; allowed: {list(REQUEST_KEYS)}, "
+            f"e.g. {example}"
+        )
+    method = ours.get(METHOD_KEY, engine.method)
+    ratio = ours.get(RATIO_KEY, engine.ratio)
+    _check_name(method, ratio)
+    return EngineEviction(method, float(ratio), engine.report)
+
+
+def check_request(
+    extra_args: object,
+    engine: EngineEviction,
+    block_size: int,
+    model: object | None = None,
+    tensor_parallel_size: int = 1,
+) -> EngineEviction:
+    """``request_eviction``, then ``policy_for`` on the engine's blocks, model and ranks: every
+    refusal of one request, run before it reaches the engine core (a request without probkv's
+    keys runs the engine's option, checked at start-up, and is passed at once)."""
+    chosen = request_eviction(extra_args, engine)
+    if chosen is engine:
+        return engine
+    try:
+        policy_for(chosen.method, chosen.ratio, block_size, model, tensor_parallel_size)
+    except ValueError as err:
+        raise ValueError(f"{METHOD_KEY}={chosen.method!r}: {err}") from None
+    return chosen
 
 
 def policy_for(

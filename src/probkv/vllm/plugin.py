@@ -3,7 +3,9 @@
 ``register`` wraps the platform's ``check_and_update_config`` (the one place the plugin patches
 vLLM, on the tested minor version only): an engine whose ``additional_config`` has probkv's key
 is checked (``probkv.vllm.options.check_engine``: unsupported settings refused by name) and gets
-probkv's worker and scheduler classes; every other engine is left exactly as it was.
+probkv's worker and scheduler classes, and a logits processor that changes nothing but checks
+each request's probkv options when vLLM admits it (``probkv.vllm.admission``); every other
+engine is left exactly as it was.
 """
 
 from __future__ import annotations
@@ -33,11 +35,13 @@ def register() -> None:
                 f"probkv eviction in vLLM runs on vLLM's CPU backend only, got platform "
                 f"{platform.__name__}: its GPU backends take no per-position log-weight yet"
             )
-        opts.check_engine(vllm_config)
+        engine = opts.check_engine(vllm_config)
         vllm_config.parallel_config.worker_cls = opts.WORKER
         vllm_config.scheduler_config.scheduler_cls = opts.SCHEDULER
+        from probkv.vllm.admission import install
         from probkv.vllm.worker import register_attention_backend
 
+        install(vllm_config, engine)  # each request's options checked when vLLM admits it
         register_attention_backend()
 
     setattr(check_and_update_config, _WRAPPED, True)

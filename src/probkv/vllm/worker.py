@@ -65,11 +65,8 @@ class WorkerEviction:
 
     def start(self, req_id: str, prompt_length: int, sampling_params) -> None:
         """A new request: its policy from its ``extra_args`` or the engine's option."""
-        raw = (getattr(sampling_params, "extra_args", None) or {}).get(opts.KEY)
-        method, ratio = self.engine.method, self.engine.ratio
-        if raw is not None:
-            chosen = opts.read_options(raw, where=f"request {req_id}'s extra_args['probkv']")
-            method, ratio = chosen.method, chosen.ratio
+        chosen = opts.request_eviction(getattr(sampling_params, "extra_args", None), self.engine)
+        method, ratio = chosen.method, chosen.ratio
         policy = opts.policy_for(
             method, ratio, self.block_size, self.model, self.tensor_parallel_size
         )
@@ -147,6 +144,7 @@ class WorkerEviction:
                     "prompt_length": kept.prompt_length,
                     "num_blocks": kept.num_blocks,
                     "method": opts_name(request),
+                    "ratio": request.policy.ratio,
                 }
 
     def attach(self, output):
