@@ -125,7 +125,7 @@ def test_options_are_checked_by_name():
         with pytest.raises(ValueError, match=match):
             read_options(raw)
     kwargs = engine_options("snapkv", 0.5)
-    assert kwargs["enable_prefix_caching"] is False
+    assert "enable_prefix_caching" not in kwargs  # vLLM's default (on) stays
     assert kwargs["additional_config"]["probkv"]["method"] == "snapkv"
 
 
@@ -134,11 +134,14 @@ def test_an_engine_without_the_option_is_left_alone():
     assert check_engine(config()).method == "prob:snapkv"
 
 
+def test_prefix_caching_is_accepted():
+    cache = SimpleNamespace(enable_prefix_caching=True, cache_dtype="auto", block_size=32)
+    assert check_engine(config(cache_config=cache)).method == "prob:snapkv"
+
+
 @pytest.mark.parametrize(
     ("changes", "match"),
     [
-        ({"cache_config": SimpleNamespace(enable_prefix_caching=True, cache_dtype="auto",
-                                          block_size=32)}, "no-enable-prefix-caching"),
         ({"speculative_config": object()}, "speculative decoding"),
         ({"kv_transfer_config": object()}, "KV connectors"),
         ({"parallel_config": SimpleNamespace(pipeline_parallel_size=2,

@@ -244,10 +244,6 @@ def test_a_bad_request_option_fails_its_call_and_the_same_llm_serves_on(engine, 
             "repeat the context",
         ),
         (
-            {"additional_config": {"probkv": {"method": "snapkv"}}, "enable_prefix_caching": True},
-            "no-enable-prefix-caching",
-        ),
-        (
             {
                 "additional_config": {"probkv": {"method": "snapkv", "rate": 1}},
                 "enable_prefix_caching": False,

@@ -16,8 +16,8 @@ def engine_options(
     method: str, ratio: float, *, report: str | None = None, block_size: int = 32
 ) -> dict:
     """Keyword arguments of ``vllm.LLM`` (or ``EngineArgs``) that switch probkv on:
-    ``LLM(model, **engine_options("snapkv", 0.5))``. Prefix caching is switched off, since
-    eviction cannot free blocks that requests share; ``block_size`` 32 is the smallest block
+    ``LLM(model, **engine_options("snapkv", 0.5))``. Prefix caching stays as the engine
+    has it (vLLM's default: on; probkv.vllm.scheduler says how eviction shares it); ``block_size`` 32 is the smallest block
     vLLM's CPU backend takes (its default is 128), and smaller blocks lose fewer answers
     (docs/evaluation.md, model-wide blocks)."""
     from probkv.vllm.options import read_options
@@ -26,6 +26,5 @@ def engine_options(
     read_options(raw)
     return {
         "additional_config": {KEY: raw},
-        "enable_prefix_caching": False,
         "block_size": block_size,
     }

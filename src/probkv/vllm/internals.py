@@ -4,10 +4,159 @@ The rest of ``probkv.vllm`` reaches vLLM's internals only through this module: w
 minor version moves one of these names, this is the one file to read again. Each function
 says which vLLM source file it was read from. Public names (``vllm.LLM``,
 ``SamplingParams``, the ``vllm.general_plugins`` entry point, ``register_backend``) are used
-directly where they are needed.
+directly where they are needed. Besides the functions below, ``probkv.vllm.scheduler``
+overrides two private methods of vLLM's ``Scheduler`` (vllm/v1/core/sched/scheduler.py):
+``_preempt_request`` and ``_free_request``, named here as ``SCHEDULER_HOOKS``.
 """
 
 from __future__ import annotations
 
+import hashlib
+
 #: The vLLM version these names were read from (``probkv.vllm.options.TESTED_VLLM``).
 READ_FROM = "0.32.0"
+SCHEDULER_HOOKS = ("_preempt_request", "_free_request")
+
+
+# --- the CPU attention backend (vllm/v1/attention/backends/cpu_attn.py) and the cache writer
+# (vllm/_custom_ops.py): probkv's backend subclasses the first, paged.py probes the layout with
+# the second. Imported lazily: this module is imported only by code vLLM loads.
+
+
+def cpu_attention_classes():
+    """``(CPUAttentionBackend, CPUAttentionBackendImpl, CPUAttentionMetadataBuilder)``."""
+    from vllm.v1.attention.backends.cpu_attn import (
+        CPUAttentionBackend,
+        CPUAttentionBackendImpl,
+        CPUAttentionMetadataBuilder,
+    )
+
+    return CPUAttentionBackend, CPUAttentionBackendImpl, CPUAttentionMetadataBuilder
+
+
+def cpu_cache_writer():
+    """vLLM's CPU cache writer ``cpu_attn_reshape_and_cache`` (vllm/_custom_ops.py)."""
+    from vllm import _custom_ops
+
+    return _custom_ops.cpu_attn_reshape_and_cache
+
+
+# --- the worker's model runner (vllm/v1/worker/gpu_model_runner.py, gpu_input_batch.py)
+
+
+def batch_request_ids(runner) -> list[str]:
+    """The request of each row of the runner's current batch, in the order of the step's
+    attention metadata (``runner.input_batch.req_ids``)."""
+    return runner.input_batch.req_ids
+
+
+def attention_layers(vllm_config) -> dict:
+    """Every attention layer of the loaded model by name
+    (vllm/config/__init__.py ``get_layers_from_vllm_config``)."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+
+    return get_layers_from_vllm_config(vllm_config, Attention)
+
+
+def replace_metadata(common, **fields):
+    """``CommonAttentionMetadata`` (vllm/v1/attention/backend.py) with ``fields`` replaced:
+    its own ``replace`` (a dataclass copy; the runner's object is left as it is)."""
+    return common.replace(**fields)
+
+
+# --- the scheduler's KV cache manager (vllm/v1/core/kv_cache_manager.py,
+# kv_cache_coordinator.py, single_type_kv_cache_manager.py, block_pool.py) and requests
+# (vllm/v1/request.py)
+
+
+def free_logical_blocks(scheduler, req_id: str, logical_blocks) -> int:
+    """Return the request's blocks at ``logical_blocks`` to the pool, leaving vLLM's null block
+    in its block list (what the sliding-window manager does with blocks that left its window);
+    blocks another request or the prefix cache also holds only lose this request's reference.
+    The number of blocks released."""
+    released = 0
+    for manager in scheduler.kv_cache_manager.coordinator.single_type_managers:
+        blocks = manager.req_to_blocks.get(req_id)
+        if blocks is None:
+            continue
+        gone = []
+        for i in logical_blocks:
+            if i < len(blocks) and not blocks[i].is_null:
+                gone.append(blocks[i])
+                blocks[i] = manager._null_block
+        manager.block_pool.free_blocks(gone)
+        released += len(gone)
+    return released
+
+
+def stop_caching_new_blocks(request) -> None:
+    """No block of ``request`` filled from now on can be found by another request in the
+    prefix cache: its block hasher (``Request._block_hasher``) is wrapped so every later hash
+    is salted with the request's id (vLLM hashes, and caches, every full block, so the hashes
+    cannot simply stop). A block computed after an eviction holds keys and values that
+    attended the kept set, which another request with the same tokens must not reuse."""
+    hasher = request._block_hasher
+    if hasher is None or getattr(hasher, "probkv_salted", False):
+        return
+    salt = f"probkv-evicted:{request.request_id}".encode()
+
+    def salted(req):
+        return [type(h)(hashlib.sha256(salt + bytes(h)).digest()) for h in hasher(req)]
+
+    salted.probkv_salted = True
+    request._block_hasher = salted
+
+
+def limit_prefix_hits(scheduler, limit) -> None:
+    """Wrap the scheduler's prefix-cache lookup (``KVCacheManager.get_computed_blocks``) so a
+    request's hit never covers more than ``limit(request)`` tokens (None: no limit), rounded
+    down to whole blocks."""
+    manager = scheduler.kv_cache_manager
+    lookup = manager.get_computed_blocks
+    block_size = scheduler.block_size
+
+    def get_computed_blocks(request):
+        blocks, hit, boundary = lookup(request)
+        most = limit(request)
+        if most is None or hit <= most:
+            return blocks, hit, boundary
+        keep = max(0, most) // block_size
+        trimmed = manager.create_kv_cache_blocks(tuple(list(g[:keep]) for g in blocks.blocks))
+        return trimmed, keep * block_size, 0
+
+    manager.get_computed_blocks = get_computed_blocks
+
+
+# --- FlexAttention, the GPU path (vllm/v1/attention/backends/flex_attention.py, and
+# ``AttentionCGSupport`` from vllm/v1/attention/backend.py): probkv.vllm.flex_backend subclasses
+# the backend and its metadata builder and gives the metadata a ``score_mod``. Untested on a GPU.
+
+
+def flex_attention_classes():
+    """``(FlexAttentionBackend, FlexAttentionMetadataBuilder)``."""
+    from vllm.v1.attention.backends.flex_attention import (
+        FlexAttentionBackend,
+        FlexAttentionMetadataBuilder,
+    )
+
+    return FlexAttentionBackend, FlexAttentionMetadataBuilder
+
+
+def no_full_cuda_graphs():
+    """``AttentionCGSupport.NEVER``, a metadata builder's ``_cudagraph_support``: vLLM then
+    captures no full CUDA graph over attention (one would replay the score_mod, and its
+    tables, of the step it was captured in)."""
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    return AttentionCGSupport.NEVER
+
+
+def set_flex_score_mod(metadata, score_mod_of) -> None:
+    """Give a step's ``FlexAttentionMetadata`` a score_mod: ``score_mod_of(doc_ids)`` gets the
+    request of each packed query row (``metadata.doc_ids``) and returns a function that vLLM's
+    ``get_transformed_score_mod`` calls as ``(score, b, h, logical_q, logical_kv,
+    physical_q=q_idx)``, with ``-inf`` wherever the key is not the request's (a freed block is
+    vLLM's null block 0, which ``physical_to_logical`` marks invalid)."""
+    metadata.score_mod = score_mod_of(metadata.doc_ids)
+    metadata.transformed_score_mod = metadata.get_transformed_score_mod()

@@ -257,11 +257,6 @@ def check_engine(config) -> EngineEviction | None:
 
 def _engine_problems(config):
     cache, parallel = config.cache_config, config.parallel_config
-    if getattr(cache, "enable_prefix_caching", False):
-        yield (
-            "prefix caching shares blocks between requests, which eviction cannot free: "
-            "start vLLM with enable_prefix_caching=False (--no-enable-prefix-caching)"
-        )
     if getattr(config, "speculative_config", None) is not None:
         yield "speculative decoding is not supported (its draft tokens bypass the correction)"
     if getattr(config, "kv_transfer_config", None) is not None:

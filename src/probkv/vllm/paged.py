@@ -12,7 +12,8 @@ import functools
 import re
 
 import torch
-from vllm import _custom_ops as ops
+
+from probkv.vllm import internals
 
 LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
 
@@ -27,7 +28,7 @@ def cache_layout(isa: str, block_size: int, head_size: int, dtype: torch.dtype) 
     pattern = torch.arange(block_size * head_size, dtype=torch.float32)
     pattern = (pattern % 251).to(dtype).reshape(block_size, 1, head_size)
     slots = torch.arange(block_size, dtype=torch.int64)
-    ops.cpu_attn_reshape_and_cache(
+    internals.cpu_cache_writer()(
         pattern, -pattern, key_cache, value_cache, slots, isa,
         k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto",
     )  # fmt: skip

@@ -30,6 +30,7 @@ from probkv.estimation import corrected_attention
 from probkv.policies.base import EvictionPolicy, select_layers
 from probkv.scores.observation import LayerObservation, PrefillStatistics
 from probkv.scores.surrogate import ScorerShard, SurrogateScorer
+from probkv.vllm.compaction import CompactPlan
 
 Gather = Callable[[torch.Tensor], torch.Tensor]  # [H_local, t] -> [H_all, t] over the TP ranks
 
@@ -50,6 +51,12 @@ class KeptPrefix:
     freed: tuple[int, ...]
     prompt_length: int
     num_blocks: int
+    plan: CompactPlan  # the blocks attention reads from now on (probkv.vllm.compaction)
+
+    @property
+    def weighted(self) -> bool:
+        """Whether some kept position has a non-zero log-weight (a ``prob:`` selection)."""
+        return bool(self.log_weights.any())
 
 
 @dataclass
@@ -79,6 +86,24 @@ class RequestEviction:
             )
         if self.prompt_length < 1:
             raise ValueError(f"prompt_length must be >= 1, got {self.prompt_length}")
+
+    def restart(self) -> None:
+        """The request is computed again from its first position (vLLM resumed it after a
+        preemption): an observation under way starts over; a kept set stays, since the
+        selection is a function of the prompt's observation and the policy's seed (S12)."""
+        if self.kept is None:
+            self.statistics.clear()
+            self.observations.clear()
+
+    @property
+    def rows_observed(self) -> int:
+        """How many of the prompt's last positions must be computed (not read from a prefix
+        cache) for the observation: every one for scores built on column sums, else the
+        score's last query rows."""
+        if scores.column_sums_needed(self.policy.score) is not None:
+            return self.prompt_length
+        rows = scores.last_query_rows(self.policy.score, self.policy.score_params)
+        return min(self.prompt_length, rows)
 
     @property
     def observed(self) -> bool:
@@ -120,10 +145,18 @@ class RequestEviction:
             )
             self.statistics[layer] = stats
         if scores.column_sums_needed(self.policy.score) is None:
+            if stats.length == 0 and stats.last_queries is None:
+                stats.length = t - query.shape[1]  # earlier rows came from a prefix cache
             stats.add_rows(query, t)  # vLLM computed the output; only the last rows are read
         else:
             stats.add_chunk(query, key, value)
         if t == self.prompt_length:
+            seen = 0 if stats.last_queries is None else stats.last_queries.shape[1]
+            if stats.column_sums is None and seen < self.rows_observed:
+                raise ValueError(
+                    f"the observation needs the prompt's last {self.rows_observed} rows "
+                    f"computed, got {seen} (the rest came from a prefix cache)"
+                )
             rank = self.layers.index(layer)
             self.observations[layer] = stats.observe(key, value, layer_idx=layer, rank=rank)
             del self.statistics[layer]
@@ -145,7 +178,13 @@ class RequestEviction:
         kept_blocks[positions // b] = True
         whole = t // b  # blocks that lie inside the prompt; the last partial one takes new tokens
         freed = tuple(int(i) for i in torch.nonzero(~kept_blocks[:whole]).flatten())
-        self.kept = KeptPrefix(positions.cpu(), logw.float().cpu(), freed, t, num_blocks)
+        if whole < num_blocks and not bool(kept_blocks[whole]):
+            raise RuntimeError(
+                f"the prompt's last, partial block {whole} was evicted: a model-wide selection "
+                "keeps it (probkv.policies.model_wide), since new tokens are written into it"
+            )
+        plan = CompactPlan(t, torch.nonzero(kept_blocks[:whole]).flatten().to(torch.int64), b)
+        self.kept = KeptPrefix(positions.cpu(), logw.float().cpu(), freed, t, num_blocks, plan)
         self.observations.clear()
         return self.kept
 
@@ -178,7 +217,7 @@ def tensor_parallel_policy(
 def _gathered(obs: LayerObservation, gather: Gather) -> LayerObservation:
     forced = None
     if obs.forced is not None:
-        forced = gather(obs.forced.to(torch.uint8)).bool()
+        forced = gather(obs.forced.to(torch.float32)) > 0  # float: every TP backend gathers it
     return LayerObservation(
         layer_idx=obs.layer_idx,
         rank=obs.rank,

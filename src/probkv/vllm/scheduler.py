@@ -1,12 +1,25 @@
-"""The scheduler of an evicting engine: frees what the workers evicted.
+"""The scheduler of an evicting engine: frees what the workers evicted, survives preemption,
+shares prefixes.
 
 ``ProbKVScheduler`` is vLLM's scheduler (set as ``scheduler_cls`` by ``probkv.vllm.plugin``).
 When a step's output says which logical blocks of a request were evicted
 (``probkv.vllm.worker.OUTPUT_FIELD``), it frees them the way vLLM's sliding-window manager
 frees blocks that left the window: the request's block list gets the null block there and the
-pool gets the block back. A request preempted after its eviction is refused by name: vLLM would
-recompute it from the full prompt, which the kept set no longer describes. With a ``report``
-file (``additional_config['probkv']['report']``) each eviction appends one JSON row.
+pool gets the block back (``probkv.vllm.internals.free_logical_blocks``).
+
+- **Preemption** (S12): vLLM recomputes a preempted request from its first token. Its workers
+  keep the kept set (a function of the prompt's observation and the request's seed), read the
+  recomputed prompt in full and the generated tokens over the kept set
+  (``probkv.vllm.compaction``); once the recomputation has passed the prompt, the scheduler
+  frees the same logical blocks again.
+- **Prefix caching**: a request's eviction only drops its own reference to a block, so blocks
+  another request or the prefix cache holds stay. Blocks filled after an eviction never enter
+  the prefix cache (their keys and values attended the kept set), and a request about to be
+  observed takes at most the prefix its observation does not need from the cache (the score's
+  last query rows, or none for scores built on every row's attention).
+
+With a ``report`` file (``additional_config['probkv']['report']``) each eviction appends one
+JSON row.
 """
 
 from __future__ import annotations
@@ -15,7 +28,9 @@ import json
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from probkv.vllm import internals
 from probkv.vllm import options as opts
+from probkv.vllm.requests import RequestEviction
 from probkv.vllm.worker import OUTPUT_FIELD
 
 
@@ -25,45 +40,58 @@ class ProbKVScheduler(Scheduler):
     def __init__(self, vllm_config, *args, **kwargs) -> None:
         super().__init__(vllm_config, *args, **kwargs)
         self.probkv = opts.check_engine(vllm_config)
+        self.probkv_model = vllm_config.model_config.hf_config
         self.probkv_evicted: dict[str, dict] = {}  # req_id -> what its eviction freed
+        self.probkv_recomputing: set[str] = set()  # evicted, preempted, not yet past the prompt
+        self.probkv_preemptions = 0  # evicted requests preempted (and recomputed) so far
+        if self.cache_config.enable_prefix_caching:
+            internals.limit_prefix_hits(self, self._prefix_hit_limit)
+
+    def _prefix_hit_limit(self, request) -> int | None:
+        """The most tokens a request may take from the prefix cache (None: any)."""
+        if self.probkv is None or request.request_id in self.probkv_evicted:
+            return None  # not evicting, or the kept set is known: the prompt needs no observing
+        chosen = opts.request_eviction(request.sampling_params.extra_args, self.probkv)
+        policy = opts.policy_for(chosen.method, chosen.ratio, self.block_size)
+        if policy is None:
+            return None
+        t = request.num_prompt_tokens
+        observing = RequestEviction(policy, t, self.block_size, (0,), 1.0)
+        return t - observing.rows_observed
 
     def update_from_output(self, scheduler_output, model_runner_output):
         evicted = getattr(model_runner_output, OUTPUT_FIELD, None) or {}
         for req_id, info in evicted.items():
             self._free_evicted(req_id, info)
+        for req_id in list(self.probkv_recomputing):
+            request = self.requests.get(req_id)
+            if request is None:
+                self.probkv_recomputing.discard(req_id)
+            elif request.num_computed_tokens >= request.num_prompt_tokens:
+                row = self.probkv_evicted[req_id]
+                internals.free_logical_blocks(self, req_id, row["freed"])
+                self.probkv_recomputing.discard(req_id)
         return super().update_from_output(scheduler_output, model_runner_output)
 
     def _free_evicted(self, req_id: str, info: dict) -> None:
-        managers = self.kv_cache_manager.coordinator.single_type_managers
-        freed = 0
-        for manager in managers:
-            blocks = manager.req_to_blocks.get(req_id)
-            if blocks is None:
-                continue
-            gone = []
-            for i in info["freed"]:
-                if i < len(blocks) and not blocks[i].is_null:
-                    gone.append(blocks[i])
-                    blocks[i] = manager._null_block
-            manager.block_pool.free_blocks(gone)
-            freed += len(gone)
+        freed = internals.free_logical_blocks(self, req_id, info["freed"])
+        request = self.requests.get(req_id)
+        if request is not None:
+            internals.stop_caching_new_blocks(request)
         row = {"request_id": req_id, "freed_blocks": freed, "block_size": self.block_size, **info}
-        row.pop("freed")
         self.probkv_evicted[req_id] = row
         if self.probkv is not None and self.probkv.report:
+            report = {k: v for k, v in row.items() if k != "freed"}
             with open(self.probkv.report, "a", encoding="utf-8") as f:
-                f.write(json.dumps(row) + "\n")
+                f.write(json.dumps(report) + "\n")
 
     def _preempt_request(self, request, *args, **kwargs):
         if request.request_id in self.probkv_evicted:
-            raise RuntimeError(
-                f"probkv: request {request.request_id} was preempted after its eviction (the KV "
-                "cache ran out); vLLM would recompute it from the whole prompt, which its kept "
-                "set no longer describes. Give the engine more KV memory "
-                "(kv_cache_memory_bytes) or fewer concurrent sequences (max_num_seqs)"
-            )
+            self.probkv_recomputing.add(request.request_id)  # freed again once past the prompt
+            self.probkv_preemptions += 1
         return super()._preempt_request(request, *args, **kwargs)
 
     def _free_request(self, request, *args, **kwargs):
         self.probkv_evicted.pop(request.request_id, None)
+        self.probkv_recomputing.discard(request.request_id)
         return super()._free_request(request, *args, **kwargs)

@@ -19,6 +19,7 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_b
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker.cpu_worker import CPUWorker
 
+from probkv.vllm import compaction, internals
 from probkv.vllm import options as opts
 from probkv.vllm.paged import LAYER_INDEX, read_cache
 from probkv.vllm.requests import (
@@ -62,6 +63,9 @@ class WorkerEviction:
         self.pending: dict[str, dict] = {}
         self.layers: tuple[int, ...] | None = None
         self.scale: float | None = None
+        self.step: tuple[list, torch.Tensor | None] = ([], None)  # compact_metadata's notes
+        self._index_key: tuple | None = None
+        self._index: torch.Tensor | None = None
 
     def start(self, req_id: str, prompt_length: int, sampling_params) -> None:
         """A new request: its policy from its ``extra_args`` or the engine's option."""
@@ -80,33 +84,76 @@ class WorkerEviction:
             policy, prompt_length, self.block_size, self.layers, self.scale
         )
 
+    def restart(self, req_id: str) -> None:
+        """A request vLLM resumed after a preemption (``RequestEviction.restart``)."""
+        request = self.requests.get(req_id)
+        if request is not None:
+            request.restart()
+
     def finish(self, req_ids) -> None:
         for req_id in req_ids:
             self.requests.pop(req_id, None)
             self.pending.pop(req_id, None)
 
-    def attend(self, *, layer, query, caches, layout, metadata, output, scale) -> None:
-        """One layer's step: observe prefill chunks of evicting requests, recompute the rows of
-        evicted ones over their kept positions (``query [T, Hq, d]``, ``output [T, Hq, d]``)."""
-        if not self.requests:
-            return
-        req_ids = self.runner.input_batch.req_ids
-        starts = metadata.query_start_loc.tolist()
-        seq_lens = metadata.seq_lens.tolist()
-        table = metadata.block_table
-        key_cache, value_cache = caches
-        for row, req_id in enumerate(req_ids[: len(seq_lens)]):
-            request = self.requests.get(req_id)
+    def compact_metadata(self, common):
+        """The step's attention metadata (vLLM's ``CommonAttentionMetadata``, once per step
+        before the forward) with every evicted request reading only its kept blocks
+        (``probkv.vllm.compaction``); also notes which rows need probkv at each layer: prefill
+        chunks of requests being observed, and the rows after the prompt of ``prob:`` requests."""
+        rows = common.num_reqs
+        req_ids = internals.batch_request_ids(self.runner)[:rows]
+        requests = [self.requests.get(r) for r in req_ids]
+        plans = [None if q is None or q.kept is None else q.kept.plan for q in requests]
+        starts = common.query_start_loc_cpu.tolist()
+        seq_lens = common.seq_lens.tolist()
+        work = []
+        for row, request in enumerate(requests):
             if request is None:
                 continue
             lo, hi, n = starts[row], starts[row + 1], seq_lens[row]
             if request.kept is None:
                 if n > request.prompt_length:
                     raise RuntimeError(
-                        f"probkv: request {req_id} decodes before its prompt was observed"
+                        f"probkv: request {req_ids[row]} decodes before its prompt was observed"
                     )
-                positions = torch.arange(n, dtype=torch.int64)
-                logw = None
+                work.append((row, request, lo, hi, n))
+            elif request.kept.weighted and n > request.prompt_length:
+                first = max(lo, hi - (n - request.prompt_length))  # rows after the prompt
+                work.append((row, request, first, hi, n))
+        self.step = (work, common.block_table_tensor)
+        if not any(plans):
+            return common
+        width = common.block_table_tensor.shape[1]
+        key = (tuple(req_ids), tuple(id(p) for p in plans), width)
+        if self._index_key != key:
+            self._index_key, self._index = key, compaction.block_indices(plans, width)
+        out = compaction.compact(
+            common.query_start_loc_cpu, common.seq_lens, common.block_table_tensor, plans,
+            self._index,
+        )  # fmt: skip
+        return internals.replace_metadata(
+            common,
+            query_start_loc=out.query_start_loc,
+            query_start_loc_cpu=out.query_start_loc,
+            seq_lens=out.seq_lens,
+            block_table_tensor=out.block_table,
+            num_reqs=out.num_seqs,
+            max_query_len=out.max_query_len,
+            max_seq_len=out.max_seq_len,
+        )
+
+    def attend(self, *, layer, query, caches, layout, output, scale) -> None:
+        """One layer's step, after vLLM's kernel: observe prefill chunks of evicting requests;
+        recompute, over their kept positions with log-weights, the rows after the prompt of
+        ``prob:`` requests (``query [T, Hq, d]``, ``output [T, Hq, d]``). Top-k requests need
+        nothing here: vLLM's kernel read their compacted sequence."""
+        work, table = self.step
+        if not work:
+            return
+        key_cache, value_cache = caches
+        for row, request, lo, hi, n in work:
+            if request.kept is None:
+                positions, logw = torch.arange(n, dtype=torch.int64), None
             else:
                 positions, logw = visible_positions(request.kept, n)
             rows = query[lo:hi]
@@ -190,10 +237,7 @@ class ProbKVWorker(CPUWorker):
     def load_model(self, *args, **kwargs):
         result = super().load_model(*args, **kwargs)
         if self._probkv is not None:
-            from vllm.config import get_layers_from_vllm_config
-            from vllm.model_executor.layers.attention import Attention
-
-            layers = get_layers_from_vllm_config(self.vllm_config, Attention)
+            layers = internals.attention_layers(self.vllm_config)
             indices = sorted(int(LAYER_INDEX.search(name).group(1)) for name in layers)
             scales = {float(layer.impl.scale) for layer in layers.values()}
             if len(scales) != 1:
@@ -207,6 +251,8 @@ class ProbKVWorker(CPUWorker):
         state = self._probkv
         if state is not None:
             state.finish(scheduler_output.finished_req_ids)
+            for req_id in scheduler_output.scheduled_cached_reqs.resumed_req_ids:
+                state.restart(req_id)  # computed again after a preemption
             for new in scheduler_output.scheduled_new_reqs:
                 state.start(new.req_id, len(new.prompt_token_ids or ()), new.sampling_params)
         output = super().execute_model(scheduler_output)

