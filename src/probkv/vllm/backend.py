@@ -47,7 +47,7 @@ class ProbKVCPUAttentionImpl(CPUAttentionBackendImpl):
         if attn_metadata is None or self.attn_type != AttentionType.DECODER:
             return output
         state = worker.active()
-        if state is None or not state.step[0]:
+        if state is None or not (state.step[0] or state.step[1] is not None):
             return output
         match = LAYER_INDEX.search(layer.layer_name)
         if match is None:

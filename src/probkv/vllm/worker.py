@@ -24,9 +24,9 @@ from probkv.vllm import options as opts
 from probkv.vllm.paged import LAYER_INDEX, read_cache
 from probkv.vllm.requests import (
     RequestEviction,
-    decode_attention,
+    WeightedBatch,
     tensor_parallel_policy,
-    visible_positions,
+    weighted_attention,
 )
 
 OUTPUT_FIELD = "probkv_evicted"  # req_id -> {"freed": [...], ...} on a ModelRunnerOutput
@@ -63,9 +63,11 @@ class WorkerEviction:
         self.pending: dict[str, dict] = {}
         self.layers: tuple[int, ...] | None = None
         self.scale: float | None = None
-        self.step: tuple[list, torch.Tensor | None] = ([], None)  # compact_metadata's notes
+        self.step: tuple = ([], None, None)  # compact_metadata's notes for this step
         self._index_key: tuple | None = None
         self._index: torch.Tensor | None = None
+        self._weighted_key: tuple | None = None
+        self._weighted: WeightedBatch | None = None
 
     def start(self, req_id: str, prompt_length: int, sampling_params) -> None:
         """A new request: its policy from its ``extra_args`` or the engine's option."""
@@ -106,7 +108,7 @@ class WorkerEviction:
         plans = [None if q is None or q.kept is None else q.kept.plan for q in requests]
         starts = common.query_start_loc_cpu.tolist()
         seq_lens = common.seq_lens.tolist()
-        work = []
+        work, weighted = [], []
         for row, request in enumerate(requests):
             if request is None:
                 continue
@@ -118,9 +120,8 @@ class WorkerEviction:
                     )
                 work.append((row, request, lo, hi, n))
             elif request.kept.weighted and n > request.prompt_length:
-                first = max(lo, hi - (n - request.prompt_length))  # rows after the prompt
-                work.append((row, request, first, hi, n))
-        self.step = (work, common.block_table_tensor)
+                weighted.append((row, request.kept, max(lo, hi - (n - request.prompt_length)), hi))
+        self.step = (work, self._weighted_step(weighted, common), common.block_table_tensor)
         if not any(plans):
             return common
         width = common.block_table_tensor.shape[1]
@@ -142,38 +143,63 @@ class WorkerEviction:
             max_seq_len=out.max_seq_len,
         )
 
+    def _weighted_step(self, items, common):
+        """The step's ``prob:`` rows after their prompts as one batch (``None``: none):
+        batch rows ``[R]``, visible positions ``[R, N]``, logit bias ``[R, Q, N]``, the query
+        index of each of the last ``Q`` rows ``[R, Q]`` and which of them are real ``[R, Q]``."""
+        if not items:
+            return None
+        key = tuple((row, id(kept)) for row, kept, _, _ in items)
+        if self._weighted_key != key:
+            self._weighted_key = key
+            self._weighted = WeightedBatch.of([kept for _, kept, _, _ in items])
+        rows = torch.tensor([row for row, *_ in items], dtype=torch.int64)
+        first = torch.tensor([lo for _, _, lo, _ in items], dtype=torch.int64)
+        end = torch.tensor([hi for *_, hi in items], dtype=torch.int64)
+        queries = int((end - first).max())
+        positions, bias = self._weighted.step(common.seq_lens.to(torch.int64)[rows], queries)
+        index = end[:, None] - queries + torch.arange(queries, dtype=torch.int64)[None, :]
+        real = index >= first[:, None]
+        return rows, positions, bias, torch.where(real, index, end[:, None] - 1), real
+
     def attend(self, *, layer, query, caches, layout, output, scale) -> None:
         """One layer's step, after vLLM's kernel: observe prefill chunks of evicting requests;
         recompute, over their kept positions with log-weights, the rows after the prompt of
         ``prob:`` requests (``query [T, Hq, d]``, ``output [T, Hq, d]``). Top-k requests need
         nothing here: vLLM's kernel read their compacted sequence."""
-        work, table = self.step
-        if not work:
-            return
+        work, weighted, table = self.step
         key_cache, value_cache = caches
-        for row, request, lo, hi, n in work:
-            if request.kept is None:
-                positions, logw = torch.arange(n, dtype=torch.int64), None
-            else:
-                positions, logw = visible_positions(request.kept, n)
+        if weighted is not None:  # every prob: row in one call (S4), no loop over requests
+            rows, positions, bias, index, real = weighted
+            blocks = table[rows[:, None], positions // self.block_size].to(torch.int64)
+            offsets = positions % self.block_size
+            r, n = positions.shape
+            keys = read_cache(key_cache, layout[0], blocks.flatten(), offsets.flatten())
+            values = read_cache(value_cache, layout[1], blocks.flatten(), offsets.flatten())
+            out = weighted_attention(
+                query[index],
+                keys.view(r, n, *keys.shape[1:]),
+                values.view(r, n, *values.shape[1:]),
+                bias,
+                scale=scale,
+            )
+            output[index[real]] = out[real].to(output.dtype)
+        for row, request, lo, hi, n in work:  # prefill chunks being observed
             rows = query[lo:hi]
-            if logw is None and not request.needs_entries(n):
+            if not request.needs_entries(n):
                 request.add_chunk(layer, rows.transpose(0, 1).float(), None, None, t=n)
                 continue  # an early chunk: only its last query rows are kept
+            positions = torch.arange(n, dtype=torch.int64)
             blocks = table[row, positions // self.block_size].to(torch.int64)
             offsets = positions % self.block_size
-            keys = read_cache(key_cache, layout[0], blocks, offsets)  # [n', Hkv, d]
+            keys = read_cache(key_cache, layout[0], blocks, offsets)  # [n, Hkv, d]
             values = read_cache(value_cache, layout[1], blocks, offsets)
-            if logw is None:
-                request.add_chunk(
-                    layer,
-                    rows.transpose(0, 1).float(),
-                    keys.transpose(0, 1).float(),
-                    values.transpose(0, 1).float(),
-                )
-            else:
-                out = decode_attention(rows, keys, values, logw, scale=scale)
-                output[lo:hi] = out.to(output.dtype)
+            request.add_chunk(
+                layer,
+                rows.transpose(0, 1).float(),
+                keys.transpose(0, 1).float(),
+                values.transpose(0, 1).float(),
+            )
 
     def after_forward(self) -> None:
         """Select the kept blocks of every request whose prompt every layer has read."""

