@@ -54,4 +54,4 @@ test: $(STAMP)
 	$(MAKE) test-vllm
 
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_BIN)/python -m pytest tests/vllm -p no:cacheprovider
+	$(VLLM_BIN)/python -m pytest tests/vllm tests/test_bench_serve.py -p no:cacheprovider
