@@ -323,3 +323,138 @@ def test_compiled_kernel_traces_the_mods(device):
     )
     tol = 1e-5 if device == "cpu" else 1e-3  # a GPU's kernel may round matmuls (TF32)
     torch.testing.assert_close(out, expected, rtol=tol, atol=tol)
+
+
+PAGED_BLOCK, PAGED_BLOCKS = 16, 20
+PAGED_PROMPTS, PAGED_LENGTHS, PAGED_QUERIES = (70, 40, 33, 20), (75, 43, 53, 26), (1, 3, 1, 2)
+PAGED_KEPT = ([0, 2, 3], [0, 2], [1, 2], None)  # kept blocks; request 0 evicts partial block 4
+
+
+def paged_requests():
+    """Four requests in a paged cache of vLLM's FlexAttention layout (``[slot, Hkv, D]``):
+    block table (freed blocks are the null block 0), each request's kept prefix (None: evicts
+    nothing) and visible positions with log-weights, packed queries, keys and values. Keys
+    of 1e3 wherever nothing may be read, aligned with the query at 1e4 times its norm on
+    request 0's evicted partial block, which stays in the cache (new tokens go there)."""
+    from types import SimpleNamespace
+
+    block, num_blocks = PAGED_BLOCK, PAGED_BLOCKS
+    g = torch.Generator().manual_seed(15)
+    physical = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()  # 0 is the null block
+    table = torch.zeros(4, 8, dtype=torch.int32)
+    kept, visible = [], []
+    for r, (t, n, blocks) in enumerate(zip(PAGED_PROMPTS, PAGED_LENGTHS, PAGED_KEPT)):
+        for b in range(-(-n // block)):
+            freed = blocks is not None and b < t // block and b not in blocks
+            table[r, b] = 0 if freed else physical.pop()
+        if blocks is None:
+            kept.append(None)
+            visible.append((torch.arange(n), torch.zeros(n)))
+            continue
+        positions = torch.arange(t)[torch.isin(torch.arange(t) // block, torch.tensor(blocks))]
+        unit_logw = -torch.log(torch.rand(-(-t // block), generator=g) * 0.9 + 0.05)
+        logw = unit_logw[positions // block]
+        kept.append(SimpleNamespace(positions=positions, log_weights=logw, prompt_length=t))
+        visible.append(
+            (torch.cat([positions, torch.arange(t, n)]), torch.cat([logw, torch.zeros(n - t)]))
+        )
+    q = torch.randn(sum(PAGED_QUERIES), HQ, D, generator=g)
+    k = 1e3 * torch.ones(num_blocks * block, HKV, D)
+    v = 1e3 * torch.ones(num_blocks * block, HKV, D)
+    for r, (positions, _) in enumerate(visible):
+        slots = table[r, positions // block].long() * block + positions % block
+        k[slots] = torch.randn(slots.numel(), HKV, D, generator=g)
+        v[slots] = torch.randn(slots.numel(), HKV, D, generator=g)
+    evicted = torch.arange(64, 70)
+    k[table[0, 4].long() * block + evicted % block] = 1e4 * q[0, :: HQ // HKV]
+    return table, kept, visible, q, k, v
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_vllm_flex_metadata_with_probkv_score_mod_equals_decode_attention(compiled, device):
+    """vLLM's own FlexAttention metadata over a paged cache (``paged_requests``), given
+    probkv's score_mod by ``flex_backend.attach_log_weights``: flex_attention, eager or
+    compiled as vLLM calls it, equals ``decode_attention`` over each request's kept positions
+    (a decode row, a chunk of 3); a request that evicts nothing keeps plain causal attention."""
+    pytest.importorskip("vllm", reason="vLLM is not installed here: make test-vllm runs it")
+    from types import SimpleNamespace
+
+    from vllm.v1.attention.backends.flex_attention import (
+        FlexAttentionMetadata,
+        flex_attention_compiled,
+        physical_to_logical_mapping,
+    )
+
+    from probkv.vllm.flex_backend import attach_log_weights
+
+    block, num_blocks, queries = PAGED_BLOCK, PAGED_BLOCKS, PAGED_QUERIES
+    table, kept, visible, q, k, v = paged_requests()
+    total = sum(queries)
+    query_lens = torch.tensor(queries, dtype=torch.int32)
+    starts = torch.cat([torch.zeros(1, dtype=torch.int32), query_lens.cumsum(0)]).int()
+    lengths = torch.tensor(PAGED_LENGTHS, dtype=torch.int32)
+
+    def on(x):
+        return x.to(device)
+
+    metadata = FlexAttentionMetadata(
+        causal=True, num_actual_tokens=total, max_query_len=max(queries),
+        query_start_loc=on(starts), query_start_loc_cpu=starts, max_seq_len=max(PAGED_LENGTHS),
+        seq_lens=on(lengths), block_table=on(table),
+        slot_mapping=on(torch.zeros(total, dtype=torch.int64)),
+        total_cache_tokens=num_blocks * block, block_size=block, max_possible_sequence_length=128,
+        num_reqs=4,
+        physical_to_logical=physical_to_logical_mapping(on(table), on(lengths), block, num_blocks),
+        decode_offset=on(lengths - query_lens), num_blocks_per_seq=on(-(-lengths // block)),
+        persistent_kv_indices=on(torch.empty(4, 16 * 8, dtype=torch.int32)),
+        persistent_kv_num_blocks=on(torch.empty(4, dtype=torch.int32)),
+        persistent_doc_ids=on(torch.empty(64, dtype=torch.int32)), q_block_size=16,
+        kv_block_size=block,
+    )  # fmt: skip
+    metadata.block_mask = metadata._build_block_mask_direct()
+    tables = attach_log_weights(metadata, kept, block)
+    assert tables is not None and tables.log_weights.device == metadata.block_table.device
+    attention = flex_attention_compiled if compiled else eager_flex
+    out = (
+        attention(
+            on(q.transpose(0, 1)[None]),
+            on(k.transpose(0, 1)[None]),
+            on(v.transpose(0, 1)[None]),
+            score_mod=metadata.transformed_score_mod,
+            block_mask=metadata.block_mask,
+            scale=SCALE,
+            enable_gqa=True,
+        )[0]
+        .transpose(0, 1)
+        .cpu()
+    )  # [T, Hq, D]
+    tol = 1e-5 if device == "cpu" else 1e-3  # a GPU's kernel may round matmuls (TF32)
+    for r, (positions, logw) in enumerate(visible):
+        slots = table[r, positions // block].long() * block + positions % block
+        lo, hi = int(starts[r]), int(starts[r + 1])
+        expected = decode_attention(q[lo:hi], k[slots], v[slots], logw, scale=SCALE)
+        torch.testing.assert_close(out[lo:hi], expected, rtol=tol, atol=tol)
+    nothing = SimpleNamespace(block_table=table, score_mod=None)
+    assert attach_log_weights(nothing, [None] * 4, block) is None and nothing.score_mod is None
+
+
+def test_flex_backend_uses_probkvs_builder_and_refuses_full_cuda_graphs():
+    """The backend class vLLM would load: probkv's builder, no full CUDA graph (a graph would
+    replay its capture step's tables); ``register_flex_backend`` points FLEX_ATTENTION at it."""
+    pytest.importorskip("vllm", reason="vLLM is not installed here: make test-vllm runs it")
+    from vllm.v1.attention.backend import AttentionCGSupport
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from probkv.vllm import flex_backend
+
+    builder = flex_backend.ProbKVFlexBackend.get_builder_cls()
+    assert builder is flex_backend.ProbKVFlexMetadataBuilder
+    assert builder.get_cudagraph_support(None, None) == AttentionCGSupport.NEVER
+    flex = AttentionBackendEnum.FLEX_ATTENTION
+    assert not flex.is_overridden()
+    try:
+        flex_backend.register_flex_backend()
+        assert flex.get_class() is flex_backend.ProbKVFlexBackend
+    finally:
+        flex.clear_override()
