@@ -90,7 +90,9 @@ def main(argv=None) -> dict:
 
     configs = [(f"full L={args.length}", "full", 0.0, args.length)]
     configs.append((f"full kept={kept}", "full", 0.0, kept))
-    configs += [(f"{m} r={args.ratio}", m, args.ratio, args.length) for m in args.methods.split(",")]
+    configs += [
+        (f"{m} r={args.ratio}", m, args.ratio, args.length) for m in args.methods.split(",")
+    ]
     ms_per_token(llm, prompts(min(256, args.length), 99), "full", 0.0, 4)  # warm-up
     times: dict[str, list[float]] = {name: [] for name, *_ in configs}
     for order, passes in ((configs, 0), (configs[::-1], 1)):
