@@ -9,7 +9,9 @@ block size, S11) selects one kept set of whole blocks for every layer and head t
 observations of every KV head of the model (``gather`` joins tensor-parallel ranks' heads, so
 every rank makes the same selection from the same inputs). Decode attention of the request then
 reads the kept prompt positions with their log-weights and every position after the prompt
-(``decode_attention``: ``probkv.estimation.corrected_attention``, S4).
+(``WeightedBatch`` and ``weighted_attention`` for every ``prob:`` request of a step in one call;
+``decode_attention``, one request through ``probkv.estimation.corrected_attention``, S4, is
+their reference in the tests).
 
 kvzap (S11) reads each position's keys and values, which the last chunk holds for every score;
 under tensor parallelism its scorer reads every KV head of a position while a rank holds some:

@@ -144,9 +144,10 @@ class WorkerEviction:
         )
 
     def _weighted_step(self, items, common):
-        """The step's ``prob:`` rows after their prompts as one batch (``None``: none):
-        batch rows ``[R]``, visible positions ``[R, N]``, logit bias ``[R, Q, N]``, the query
-        index of each of the last ``Q`` rows ``[R, Q]`` and which of them are real ``[R, Q]``."""
+        """The step's ``prob:`` rows after their prompts as one batch (``None``: none), what
+        every layer reads: the physical block and offset of each visible position (``[R N]``
+        each, and ``(R, N)``), the logit bias ``[R, Q, N]``, the query index of each of the last
+        ``Q`` rows ``[R, Q]`` and which of them are real ``[R, Q]``."""
         if not items:
             return None
         key = tuple((row, id(kept)) for row, kept, _, _ in items)
@@ -160,7 +161,11 @@ class WorkerEviction:
         positions, bias = self._weighted.step(common.seq_lens.to(torch.int64)[rows], queries)
         index = end[:, None] - queries + torch.arange(queries, dtype=torch.int64)[None, :]
         real = index >= first[:, None]
-        return rows, positions, bias, torch.where(real, index, end[:, None] - 1), real
+        table = common.block_table_tensor  # the true (not compacted) table: positions are true
+        blocks = table[rows[:, None], positions // self.block_size].to(torch.int64).flatten()
+        offsets = (positions % self.block_size).flatten()
+        index = torch.where(real, index, end[:, None] - 1)
+        return blocks, offsets, positions.shape, bias, index, real
 
     def attend(self, *, layer, query, caches, layout, output, scale) -> None:
         """One layer's step, after vLLM's kernel: observe prefill chunks of evicting requests;
@@ -170,12 +175,9 @@ class WorkerEviction:
         work, weighted, table = self.step
         key_cache, value_cache = caches
         if weighted is not None:  # every prob: row in one call (S4), no loop over requests
-            rows, positions, bias, index, real = weighted
-            blocks = table[rows[:, None], positions // self.block_size].to(torch.int64)
-            offsets = positions % self.block_size
-            r, n = positions.shape
-            keys = read_cache(key_cache, layout[0], blocks.flatten(), offsets.flatten())
-            values = read_cache(value_cache, layout[1], blocks.flatten(), offsets.flatten())
+            blocks, offsets, (r, n), bias, index, real = weighted  # the same at every layer
+            keys = read_cache(key_cache, layout[0], blocks, offsets)
+            values = read_cache(value_cache, layout[1], blocks, offsets)
             out = weighted_attention(
                 query[index],
                 keys.view(r, n, *keys.shape[1:]),
