@@ -24,7 +24,7 @@ from probkv.vllm import request_options
 from probkv.vllm.admission import AdmissionCheck, install
 from probkv.vllm.options import EngineEviction
 
-ENGINE = EngineEviction("snapkv", 0.5)
+ENGINE = EngineEviction("snapkv", 0.5, log_weights=True)
 
 
 def config(logits_processors=None, block_size=32):

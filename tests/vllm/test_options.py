@@ -121,12 +121,29 @@ def test_options_are_checked_by_name():
         ({"method": "snapkv", "speed": 2}, r"unknown keys \['speed'\]"),
         ({"method": "snapkv", "ratio": 1.5}, "1.5"),
         ({"method": "snapkv", "report": ""}, "report"),
+        ({"method": "snapkv", "log_weights": "yes"}, r"log_weights'\] must be true or false"),
     ]:
         with pytest.raises(ValueError, match=match):
             read_options(raw)
     kwargs = engine_options("snapkv", 0.5)
     assert "enable_prefix_caching" not in kwargs  # vLLM's default (on) stays
     assert kwargs["additional_config"]["probkv"]["method"] == "snapkv"
+
+
+def test_log_weights_are_held_by_prob_engines_or_on_request():
+    """Spare key columns (probkv.vllm.weights) cost KV bytes: an engine holds them when its
+    method is a prob: one or when asked; a prob: request on an engine without them is refused
+    at admission, by name."""
+    assert read_options({"method": "prob:snapkv"}).weighted
+    assert not read_options({"method": "snapkv"}).weighted
+    assert read_options({"method": "full", "ratio": 0, "log_weights": True}).weighted
+    assert not read_options({"method": "prob:snapkv", "log_weights": False}).weighted
+    plain = EngineEviction("snapkv", 0.5)
+    assert check_request(request_options("tova", 0.5), plain, 32).method == "tova"
+    with pytest.raises(ValueError, match=r"'prob:tova' needs log-weights.*log_weights=True"):
+        check_request(request_options("prob:tova", 0.5), plain, 32)
+    raw = engine_options("full", 0.0, log_weights=True)["additional_config"]["probkv"]
+    assert read_options(raw).weighted
 
 
 def test_an_engine_without_the_option_is_left_alone():
@@ -166,7 +183,7 @@ def test_another_vllm_minor_version_is_refused():
         check_version("0.33.0")
 
 
-ENGINE = EngineEviction("snapkv", 0.5, report="rows.jsonl")
+ENGINE = EngineEviction("snapkv", 0.5, report="rows.jsonl", log_weights=True)
 
 
 def test_a_request_chooses_its_method_and_ratio_with_flat_keys():

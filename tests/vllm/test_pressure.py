@@ -19,6 +19,7 @@ from probkv.vllm import engine_options, request_options  # noqa: E402
 pytestmark = pytest.mark.slow
 BLOCK = 32
 BLOCK_BYTES = 30 * 3 * 64 * 2 * 4 * BLOCK  # SmolLM2: layers x KV heads x head size x (k, v) x f32
+WIDE = 80 / 64  # an engine that holds log-weights stores 80 columns per head (spare columns)
 
 
 def text(seed: int, words: int) -> str:
@@ -44,7 +45,7 @@ def tokenizer():
     return load_tokenizer("smollm2-135m")
 
 
-def make_engine(blocks: int, *, prefix_caching: bool = True):
+def make_engine(blocks: int, *, method: str = "snapkv", prefix_caching: bool = True):
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the scheduler in this process
     return vllm.LLM(
         model=str(resolve_model("smollm2-135m").path),
@@ -52,10 +53,10 @@ def make_engine(blocks: int, *, prefix_caching: bool = True):
         enforce_eager=True,
         max_model_len=1024,
         max_num_batched_tokens=256,
-        kv_cache_memory_bytes=blocks * BLOCK_BYTES,
+        kv_cache_memory_bytes=int(blocks * BLOCK_BYTES * (WIDE if "prob:" in method else 1)),
         enable_prefix_caching=prefix_caching,
         seed=0,
-        **engine_options("snapkv", 0.5),
+        **engine_options(method, 0.5),
     )
 
 
@@ -76,7 +77,7 @@ def greedy(llm, prompts, method, ratio, new_tokens):
 
 @pytest.fixture(scope="module")
 def small_engine():
-    llm = make_engine(48)  # about two prompts of 16 blocks with their outputs
+    llm = make_engine(48, method="prob:snapkv")  # about two prompts of 16 blocks and outputs
     yield llm
     del llm
 
@@ -135,3 +136,15 @@ def test_blocks_filled_after_an_eviction_are_never_reused(caching_engine, tokeni
     assert outs[0].num_cached_tokens <= len(prompt)  # only the prompt's own blocks were shared
     [again], outs = greedy(llm, [longer], "full", 0.0, 8)  # its own blocks now cached
     assert again == plain
+
+
+def test_a_prob_request_shares_no_block_through_the_prefix_cache(small_engine, tokenizer):
+    """Its kept keys hold its own log-weights: no other request may read them, and it reads
+    none of theirs; top-k requests of the same engine share as in plain vLLM."""
+    llm = small_engine
+    prompt = tokenizer(text(31, 300)).input_ids[:330]
+    for method, shared in (("prob:snapkv", False), ("snapkv", True)):
+        first, _ = greedy(llm, [prompt], method, 0.5, 4)
+        again, outs = greedy(llm, [prompt], method, 0.5, 4)
+        assert again == first
+        assert (outs[0].num_cached_tokens > 0) == shared, method

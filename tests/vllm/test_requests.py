@@ -232,36 +232,3 @@ def test_early_chunks_without_the_prompts_entries_give_the_same_kept_prefix(meth
         RequestEviction(policy, T, BLOCK, LAYERS, 1.0).add_chunk(
             0, layer_tensors[0][0][:, :T], None, None, t=T
         )
-
-
-def test_one_weighted_call_equals_each_requests_corrected_attention():
-    """WeightedBatch + weighted_attention (every prob: request of a step in one call) against
-    decode_attention per request: kept prefixes of different sizes, decode rows and a chunk of
-    3 rows after the prompt, GQA."""
-    from probkv.vllm.compaction import CompactPlan
-    from probkv.vllm.requests import KeptPrefix, WeightedBatch, weighted_attention
-
-    g = torch.Generator().manual_seed(3)
-    kept, lengths = [], [50, 37, 61]
-    for t, keep in zip((40, 30, 45), (9, 20, 5)):
-        positions = torch.randperm(t, generator=g)[:keep].sort().values
-        logw = torch.rand(keep, generator=g) * 2
-        plan = CompactPlan(t, torch.zeros(0, dtype=torch.int64), 64)
-        kept.append(KeptPrefix(positions, logw, (), t, 1, plan))
-    batch = WeightedBatch.of(kept)
-    for queries in (1, 3):
-        seq_lens = torch.tensor(lengths)
-        positions, bias = batch.step(seq_lens, queries)
-        keys = torch.randn(3, 70, HKV, D, generator=g)  # every position of each request
-        values = torch.randn(3, 70, HKV, D, generator=g)
-        query = torch.randn(3, queries, HQ, D, generator=g)
-        gather = positions[:, :, None, None].expand(-1, -1, HKV, D)
-        out = weighted_attention(
-            query, keys.gather(1, gather), values.gather(1, gather), bias, scale=D**-0.5
-        )
-        for i, (k, n) in enumerate(zip(kept, lengths)):
-            visible, logw = visible_positions(k, n)
-            expected = decode_attention(
-                query[i], keys[i, visible], values[i, visible], logw, scale=D**-0.5
-            )
-            torch.testing.assert_close(out[i], expected, rtol=1e-5, atol=1e-5)

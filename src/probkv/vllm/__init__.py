@@ -13,16 +13,25 @@ __all__ = ["KEY", "check_engine", "engine_options", "policy_for", "request_optio
 
 
 def engine_options(
-    method: str, ratio: float, *, report: str | None = None, block_size: int = 32
+    method: str,
+    ratio: float,
+    *,
+    report: str | None = None,
+    block_size: int = 32,
+    log_weights: bool | None = None,
 ) -> dict:
     """Keyword arguments of ``vllm.LLM`` (or ``EngineArgs``) that switch probkv on:
     ``LLM(model, **engine_options("snapkv", 0.5))``. Prefix caching stays as the engine
     has it (vLLM's default: on; probkv.vllm.scheduler says how eviction shares it); ``block_size`` 32 is the smallest block
     vLLM's CPU backend takes (its default is 128), and smaller blocks lose fewer answers
-    (docs/evaluation.md, model-wide blocks)."""
+    (docs/evaluation.md, model-wide blocks). ``log_weights``: whether the KV cache holds the
+    log-weights that ``prob:`` requests need (spare key columns: 1.25x the bytes per position
+    for 64-wide heads); None: when ``method`` is a ``prob:`` one."""
     from probkv.vllm.options import read_options
 
     raw = {"method": method, "ratio": ratio, **({"report": report} if report else {})}
+    if log_weights is not None:
+        raw["log_weights"] = log_weights
     read_options(raw)
     return {
         "additional_config": {KEY: raw},

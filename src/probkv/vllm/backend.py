@@ -4,10 +4,11 @@
 hands the step's attention metadata to the worker's eviction state first
 (``probkv.vllm.worker.WorkerEviction.compact_metadata``): an evicted request's block table lists
 only its kept blocks and its length is the kept length, so vLLM's own kernel reads the shorter
-sequence (S12), at no extra cost per layer. Its implementation, after vLLM's kernel, hands the
-rows that need probkv to the same state (``attend``): prefill chunks of requests being observed,
-and the rows of ``prob:`` requests, recomputed with their log-weights. Requests that do not
-evict, and top-k requests once evicted, keep vLLM's output as it is.
+sequence (S12), at no extra cost per layer. In an engine whose method is a ``prob:`` one the cache is wider
+than the heads: its implementation pads keys, values and queries and stores the log-weights of
+kept positions in spare key columns, so that the same kernel call adds them to the logits
+(``probkv.vllm.weights``). After vLLM's kernel it hands the prefill chunks of requests being
+observed to the worker's state (``attend``).
 
 The cache is read through the layout vLLM's own writer produces (``probkv.vllm.paged``).
 """
@@ -21,6 +22,12 @@ from probkv.vllm import (
     worker,  # the worker module holds the process's eviction state
 )
 from probkv.vllm.paged import LAYER_INDEX, cache_layout
+from probkv.vllm.weights import (
+    padded_entries,
+    padded_queries,
+    spare_key_columns,
+    write_spare_columns,
+)
 
 CPUAttentionBackend, CPUAttentionBackendImpl, CPUAttentionMetadataBuilder = (
     internals.cpu_attention_classes()
@@ -38,23 +45,36 @@ class ProbKVCPUMetadataBuilder(CPUAttentionMetadataBuilder):
 
 
 class ProbKVCPUAttentionImpl(CPUAttentionBackendImpl):
-    """vLLM's CPU attention, then probkv's observation or corrected rows (module doc)."""
+    """vLLM's CPU attention over spare key columns where the engine has them, then probkv's
+    observation of prefill chunks (module docstring)."""
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        width = kv_cache.shape[-1] // 2
+        if width != self.head_size:  # spare columns: log w = 0 until a selection writes it
+            key, value = padded_entries(key, width), padded_entries(value, width)
+        super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kw):
-        output = super().forward(
-            layer, query, key, value, kv_cache, attn_metadata, output, *args, **kw
-        )
         if attn_metadata is None or self.attn_type != AttentionType.DECODER:
-            return output
+            return super().forward(
+                layer, query, key, value, kv_cache, attn_metadata, output, *args, **kw
+            )
         state = worker.active()
-        if state is None or not (state.step[0] or state.step[1] is not None):
+        notes = worker.NO_NOTES if state is None else state.step
+        num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
+        width = kv_cache.shape[-1] // 2
+        halves = kv_cache.view(num_blocks, num_kv_heads, 2 * block_size, -1).chunk(2, dim=2)
+        layout = cache_layout(layer.isa, block_size, width, kv_cache.dtype)
+        if width == self.head_size:
+            super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kw)
+        else:
+            self._weighted_forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                                   notes, halves[0], layout[0], width, *args, **kw)  # fmt: skip
+        if not notes.work:
             return output
         match = LAYER_INDEX.search(layer.layer_name)
         if match is None:
             raise RuntimeError(f"probkv: cannot read a layer index from {layer.layer_name!r}")
-        num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
-        halves = kv_cache.view(num_blocks, num_kv_heads, 2 * block_size, -1).chunk(2, dim=2)
-        layout = cache_layout(layer.isa, block_size, self.head_size, kv_cache.dtype)
         state.attend(
             layer=int(match.group(1)),
             query=query,
@@ -64,6 +84,21 @@ class ProbKVCPUAttentionImpl(CPUAttentionBackendImpl):
             scale=self.scale,
         )
         return output
+
+    def _weighted_forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                          notes, key_cache, layout, width, *args, **kw):  # fmt: skip
+        """vLLM's kernel over keys ``width`` wide: this step's log-weights stored first, every
+        query row widened with 1 in the spare columns (0 in ``notes.unweighted_rows``), the
+        output's first ``d`` columns kept (``probkv.vllm.weights``)."""
+        if notes.writes is not None:
+            blocks, offsets, log_weights = notes.writes
+            columns = spare_key_columns(log_weights, self.scale, key_cache.dtype)
+            write_spare_columns(key_cache, layout, blocks, offsets, self.head_size, columns)
+        n = attn_metadata.num_actual_tokens
+        wide = padded_queries(query[:n], width, notes.unweighted_rows)
+        out = wide.new_empty(wide.shape)
+        super().forward(layer, wide, key, value, kv_cache, attn_metadata, out, *args, **kw)
+        output[:n].view(n, self.num_heads, self.head_size).copy_(out[..., : self.head_size])
 
 
 class ProbKVCPUBackend(CPUAttentionBackend):

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from probkv.vllm.options import ARCHITECTURES, KVZAP, policy_for, request_options
+from probkv.vllm.weights import padded_head_size
 
 #: Positions per KV block of the engines probkv eval starts (the CPU backend needs a multiple
 #: of 32; the plugin's selections are in whole blocks).
@@ -160,10 +161,11 @@ class VllmRunner:
         max_model_len: int,
         kv_cache_bytes: int | None = None,
         seed: int = 0,
+        log_weights: bool = True,
     ) -> None:
         from vllm import LLM
 
-        from probkv.vllm import engine_options
+        from probkv.vllm import engine_options, internals
 
         bind_threads(tensor_parallel_size)
 
@@ -171,7 +173,8 @@ class VllmRunner:
         os.close(fd)
         self.report = Path(report)
         blocks = -(-max_model_len // BLOCK_SIZE)
-        per_request = blocks * BLOCK_SIZE * _position_bytes_guess(model_path, dtype)
+        sizes = internals.cpu_head_sizes() if log_weights else None
+        per_request = blocks * BLOCK_SIZE * _position_bytes_guess(model_path, dtype, sizes)
         if kv_cache_bytes is None:
             kv_cache_bytes = DEFAULT_CONCURRENT * per_request
         concurrent = kv_cache_bytes // per_request
@@ -190,10 +193,13 @@ class VllmRunner:
             max_num_seqs=int(min(concurrent, 256)),
             disable_log_stats=False,  # per-request timestamps (RequestOutput.metrics)
             seed=seed,
-            **engine_options("full", 0.0, report=str(self.report), block_size=BLOCK_SIZE),
-        )
+            **engine_options(
+                "full", 0.0, report=str(self.report), block_size=BLOCK_SIZE,
+                log_weights=log_weights,
+            ),
+        )  # fmt: skip
         config = self.llm.llm_engine.model_config
-        self.position_bytes = _position_bytes(config)
+        self.position_bytes = _position_bytes(config, sizes)
 
     def run(self, requests: Sequence[Request]) -> list[Result]:
         """Generate every request in one ``llm.generate`` call (greedy); results in order."""
@@ -265,15 +271,18 @@ def _read_report(path: Path) -> dict[str, dict]:
     return {r["request_id"]: r for r in rows}
 
 
-def _position_bytes(model_config) -> int:
-    """KV bytes of one position in every layer and KV head (keys and values)."""
+def _position_bytes(model_config, sizes=None) -> int:
+    """KV bytes of one position in every layer and KV head (keys and values), with the spare
+    key columns of an engine that holds log-weights (``sizes``: the kernel's head sizes;
+    ``probkv.vllm.weights``)."""
     hf = model_config.hf_text_config
     layers = hf.num_hidden_layers
     heads, head_dim = model_config.get_total_num_kv_heads(), model_config.get_head_size()
+    head_dim = head_dim if sizes is None else padded_head_size(head_dim, sizes)
     return 2 * layers * heads * head_dim * model_config.dtype.itemsize
 
 
-def _position_bytes_guess(model_path: str, dtype: str) -> int:
+def _position_bytes_guess(model_path: str, dtype: str, sizes=None) -> int:
     """:func:`_position_bytes` from the folder's config.json, before the engine exists."""
     config = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
     config = config.get("text_config", config)
@@ -281,4 +290,5 @@ def _position_bytes_guess(model_path: str, dtype: str) -> int:
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     kv_heads = config.get("num_key_value_heads", heads)
     itemsize = 2 if dtype in ("bfloat16", "float16") else 4
+    head_dim = head_dim if sizes is None else padded_head_size(head_dim, sizes)
     return 2 * config["num_hidden_layers"] * kv_heads * head_dim * itemsize

@@ -34,6 +34,24 @@ def cpu_attention_classes():
     return CPUAttentionBackend, CPUAttentionBackendImpl, CPUAttentionMetadataBuilder
 
 
+def cpu_head_sizes() -> list[int]:
+    """The head sizes vLLM's CPU kernel runs (``CPUAttentionBackend.get_supported_head_sizes``)."""
+    return list(cpu_attention_classes()[0].get_supported_head_sizes())
+
+
+def widened_kv_specs(specs: dict, width_of) -> dict:
+    """The worker's KV cache specs (``AttentionSpec``, vllm/v1/kv_cache_interface.py: frozen
+    dataclasses) with keys and values ``width_of(head_size)`` wide: vLLM then sizes its pages,
+    allocates its cache and builds its attention metadata for the wider heads."""
+    import dataclasses
+
+    out = {}
+    for name, spec in specs.items():
+        width = width_of(spec.head_size)
+        out[name] = dataclasses.replace(spec, head_size=width, head_size_v=width)
+    return out
+
+
 def cpu_cache_writer():
     """vLLM's CPU cache writer ``cpu_attn_reshape_and_cache`` (vllm/_custom_ops.py)."""
     from vllm import _custom_ops
@@ -90,15 +108,20 @@ def free_logical_blocks(scheduler, req_id: str, logical_blocks) -> int:
     return released
 
 
-def stop_caching_new_blocks(request) -> None:
+def stop_caching_new_blocks(request, *, from_start: bool = False) -> None:
     """No block of ``request`` filled from now on can be found by another request in the
     prefix cache: its block hasher (``Request._block_hasher``) is wrapped so every later hash
     is salted with the request's id (vLLM hashes, and caches, every full block, so the hashes
     cannot simply stop). A block computed after an eviction holds keys and values that
-    attended the kept set, which another request with the same tokens must not reuse."""
+    attended the kept set, which another request with the same tokens must not reuse.
+    ``from_start``: the hashes already computed (``Request.block_hashes``, the prompt's) are
+    salted too, before the scheduler first looks the request up: it then shares no block with
+    any other request, in either direction."""
     hasher = request._block_hasher
     if hasher is None or getattr(hasher, "probkv_salted", False):
         return
+    if from_start:
+        request.block_hashes.clear()
     salt = f"probkv-evicted:{request.request_id}".encode()
 
     def salted(req):
@@ -106,6 +129,8 @@ def stop_caching_new_blocks(request) -> None:
 
     salted.probkv_salted = True
     request._block_hasher = salted
+    if from_start:
+        request.update_block_hashes()
 
 
 def limit_prefix_hits(scheduler, limit) -> None:

@@ -16,13 +16,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from probkv import scores
-from probkv.policies import FullCache, parse_method
+from probkv.policies import FullCache, ProbabilisticPolicy, parse_method
 from probkv.policies.base import EvictionPolicy
 from probkv.scores.scorer_lookup import model_shapes, with_scorer
 
 KEY = "probkv"
 TESTED_VLLM = "0.32"  # the minor version the plugin was written and tested against
-OPTION_KEYS = ("method", "ratio", "report")
+OPTION_KEYS = ("method", "ratio", "report", "log_weights")
 METHOD_KEY, RATIO_KEY = f"{KEY}_method", f"{KEY}_ratio"  # a request's flat extra_args keys
 REQUEST_KEYS = (METHOD_KEY, RATIO_KEY)
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -35,12 +35,27 @@ KVZAP = "kvzap"  # the surrogate score (S11): its policy needs the model's score
 
 @dataclass(frozen=True)
 class EngineEviction:
-    """The engine's default method and ratio, and where the scheduler appends one JSON row
-    per evicted request (``report``; None: nowhere)."""
+    """The engine's default method and ratio, where the scheduler appends one JSON row per
+    evicted request (``report``; None: nowhere), and whether its KV cache holds log-weights
+    (``log_weights``; None: when its method is a ``prob:`` one), which ``prob:`` requests need
+    (spare key columns, ``probkv.vllm.weights``)."""
 
     method: str
     ratio: float
     report: str | None = None
+    log_weights: bool | None = None
+
+    @property
+    def weighted(self) -> bool:
+        """Whether the engine's KV cache holds log-weights (``log_weights``)."""
+        if self.log_weights is not None:
+            return self.log_weights
+        return weighted(self.method, self.ratio)
+
+
+def weighted(method: str, ratio: float) -> bool:
+    """Whether ``method`` (a checked name) samples with log-weights (a ``prob:`` method)."""
+    return isinstance(parse_method(method.split("/")[0], ratio), ProbabilisticPolicy)
 
 
 def check_version(version: str) -> None:
@@ -68,10 +83,16 @@ def read_options(raw: object, where: str = "additional_config['probkv']") -> Eng
     method, ratio, report = raw["method"], raw.get("ratio", 0.5), raw.get("report")
     if report is not None and (not isinstance(report, str) or not report.strip()):
         raise ValueError(f"{where}['report'] must be a file path, got {report!r}")
+    log_weights = raw.get("log_weights")
+    if log_weights is not None and not isinstance(log_weights, bool):
+        raise ValueError(
+            f"{where}['log_weights'] must be true or false (whether the KV cache holds the "
+            f"log-weights prob: requests need), got {log_weights!r}"
+        )
     if not isinstance(method, str):
         raise ValueError(f"{where}['method'] must be a method name, got {method!r}")
     parse_method(method, ratio)  # names the bad method or ratio
-    return EngineEviction(method, float(ratio), report)
+    return EngineEviction(method, float(ratio), report, log_weights)
 
 
 def request_options(method: str, ratio: float) -> dict:
@@ -148,6 +169,12 @@ def check_request(
         policy_for(chosen.method, chosen.ratio, block_size, model, tensor_parallel_size)
     except ValueError as err:
         raise ValueError(f"{METHOD_KEY}={chosen.method!r}: {err}") from None
+    if weighted(chosen.method, chosen.ratio) and not engine.weighted:
+        raise ValueError(
+            f"{METHOD_KEY}={chosen.method!r} needs log-weights in the KV cache, which this "
+            f"engine (method {engine.method!r}) does not hold: start it with a prob: method "
+            "or with log_weights=True (additional_config['probkv']['log_weights'])"
+        )
     return chosen
 
 

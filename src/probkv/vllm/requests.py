@@ -8,10 +8,10 @@ block size, S11) selects one kept set of whole blocks for every layer and head t
 ``probkv.policies.select_layers``, the same call as the transformers integration, from the
 observations of every KV head of the model (``gather`` joins tensor-parallel ranks' heads, so
 every rank makes the same selection from the same inputs). Decode attention of the request then
-reads the kept prompt positions with their log-weights and every position after the prompt
-(``WeightedBatch`` and ``weighted_attention`` for every ``prob:`` request of a step in one call;
-``decode_attention``, one request through ``probkv.estimation.corrected_attention``, S4, is
-their reference in the tests).
+reads the kept prompt positions with their log-weights and every position after the prompt,
+in vLLM's own kernel (``probkv.vllm.compaction``, ``probkv.vllm.weights``);
+``decode_attention``, one request through ``probkv.estimation.corrected_attention`` (S4), is
+its reference in the tests.
 
 kvzap (S11) reads each position's keys and values, which the last chunk holds for every score;
 under tensor parallelism its scorer reads every KV head of a position while a rank holds some:
@@ -22,7 +22,6 @@ prediction, summed over the TP group).
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -78,6 +77,7 @@ class RequestEviction:
     statistics: dict[int, PrefillStatistics] = field(default_factory=dict)
     observations: dict[int, LayerObservation] = field(default_factory=dict)
     kept: KeptPrefix | None = None
+    weights_due: bool = False  # the kept set's log-weights are not in the cache yet
 
     def __post_init__(self) -> None:
         block = getattr(self.policy, "block", None)
@@ -97,6 +97,8 @@ class RequestEviction:
         if self.kept is None:
             self.statistics.clear()
             self.observations.clear()
+        else:
+            self.weights_due = self.kept.weighted  # the recomputed prompt is written unweighted
 
     @property
     def rows_observed(self) -> int:
@@ -188,6 +190,7 @@ class RequestEviction:
             )
         plan = CompactPlan(t, torch.nonzero(kept_blocks[:whole]).flatten().to(torch.int64), b)
         self.kept = KeptPrefix(positions.cpu(), logw.float().cpu(), freed, t, num_blocks, plan)
+        self.weights_due = self.kept.weighted
         self.observations.clear()
         return self.kept
 
@@ -262,56 +265,3 @@ def decode_attention(
         causal_offset=n - q,
     )
     return out.transpose(0, 1)
-
-
-@dataclass(frozen=True)
-class WeightedBatch:
-    """The kept prefixes of the ``prob:`` requests of a batch, padded into one tensor (built
-    when the batch's requests change, not every step): ``positions`` int64 ``[R, K]`` (kept
-    prompt positions, padded with 0), ``log_weights`` float32 ``[R, K]`` (``-inf`` at
-    padding), ``prompt_length`` int64 ``[R]``."""
-
-    positions: torch.Tensor
-    log_weights: torch.Tensor
-    prompt_length: torch.Tensor
-
-    @classmethod
-    def of(cls, kept: list[KeptPrefix]) -> WeightedBatch:
-        width = max(k.positions.numel() for k in kept)
-        positions = torch.zeros(len(kept), width, dtype=torch.int64)
-        logw = torch.full((len(kept), width), -math.inf, dtype=torch.float32)
-        for i, k in enumerate(kept):
-            positions[i, : k.positions.numel()] = k.positions
-            logw[i, : k.positions.numel()] = k.log_weights
-        lengths = torch.tensor([k.prompt_length for k in kept], dtype=torch.int64)
-        return cls(positions, logw, lengths)
-
-    def step(self, seq_lens: torch.Tensor, queries: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This step's visible positions ``[R, N]`` and the logit bias of each of the last
-        ``queries`` query rows ``[R, queries, N]`` (``log w`` where visible, 0 after the prompt,
-        ``-inf`` at padding and after the row's own position), for true lengths ``seq_lens``."""
-        after = seq_lens.to(torch.int64) - self.prompt_length  # positions after the prompt
-        span = torch.arange(int(after.max()), dtype=torch.int64)
-        positions = torch.cat([self.positions, self.prompt_length[:, None] + span], 1)
-        row = torch.arange(queries, dtype=torch.int64)
-        # query row i of the last `queries` sees the positions after the prompt up to its own
-        limit = after[:, None] - queries + row[None, :] + 1  # [R, Q]
-        later = torch.where(span[None, None, :] < limit[:, :, None], 0.0, -math.inf)
-        kept = self.log_weights[:, None, :].expand(-1, queries, -1)
-        positions = torch.minimum(positions, seq_lens.to(torch.int64)[:, None] - 1)  # padding
-        return positions, torch.cat([kept, later], 2)
-
-
-def weighted_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor, *, scale
-) -> torch.Tensor:
-    """Attention of a batch of requests with an additive logit bias, GQA, in one call:
-    ``query [R, Q, Hq, d]``, ``key``/``value [R, N, Hkv, d]``, ``bias [R, Q, N]`` (the
-    log-weights, ``-inf`` where not visible) -> ``[R, Q, Hq, d]``; S4's corrected attention."""
-    r, q, hq, d = query.shape
-    hkv = key.shape[2]
-    qg = query.float().reshape(r, q, hkv, hq // hkv, d)
-    logits = torch.einsum("rqkgd,rnkd->rkgqn", qg, key.float()) * scale
-    logits = logits + bias[:, None, None, :, :]
-    out = torch.einsum("rkgqn,rnkd->rqkgd", logits.softmax(-1), value.float())
-    return out.reshape(r, q, hq, d)

@@ -13,7 +13,8 @@ pool gets the block back (``probkv.vllm.internals.free_logical_blocks``).
   (``probkv.vllm.compaction``); once the recomputation has passed the prompt, the scheduler
   frees the same logical blocks again.
 - **Prefix caching**: a request's eviction only drops its own reference to a block, so blocks
-  another request or the prefix cache holds stay. Blocks filled after an eviction never enter
+  another request or the prefix cache holds stay. A ``prob:`` request shares no block at all
+  (its kept keys hold its own log-weights). Blocks filled after an eviction never enter
   the prefix cache (their keys and values attended the kept set), and a request about to be
   observed takes at most the prefix its observation does not need from the cache (the score's
   last query rows, or none for scores built on every row's attention).
@@ -58,6 +59,15 @@ class ProbKVScheduler(Scheduler):
         t = request.num_prompt_tokens
         observing = RequestEviction(policy, t, self.block_size, (0,), 1.0)
         return t - observing.rows_observed
+
+    def add_request(self, request) -> None:
+        """A ``prob:`` request shares no block through the prefix cache: its kept keys will
+        hold its own log-weights (``probkv.vllm.weights``), which no other request may read."""
+        if self.probkv is not None and self.probkv.weighted:
+            chosen = opts.request_eviction(request.sampling_params.extra_args, self.probkv)
+            if opts.weighted(chosen.method, chosen.ratio):
+                internals.stop_caching_new_blocks(request, from_start=True)
+        super().add_request(request)
 
     def update_from_output(self, scheduler_output, model_runner_output):
         evicted = getattr(model_runner_output, OUTPUT_FIELD, None) or {}

@@ -13,6 +13,8 @@ output carries, per request, the logical blocks the scheduler frees
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from vllm.distributed import get_tp_group
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
@@ -22,12 +24,8 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 from probkv.vllm import compaction, internals
 from probkv.vllm import options as opts
 from probkv.vllm.paged import LAYER_INDEX, read_cache
-from probkv.vllm.requests import (
-    RequestEviction,
-    WeightedBatch,
-    tensor_parallel_policy,
-    weighted_attention,
-)
+from probkv.vllm.requests import RequestEviction, tensor_parallel_policy
+from probkv.vllm.weights import padded_head_size
 
 OUTPUT_FIELD = "probkv_evicted"  # req_id -> {"freed": [...], ...} on a ModelRunnerOutput
 _ACTIVE: WorkerEviction | None = None
@@ -36,6 +34,26 @@ _ACTIVE: WorkerEviction | None = None
 def active() -> WorkerEviction | None:
     """This process's eviction state (None: the engine does not evict)."""
     return _ACTIVE
+
+
+@dataclass(frozen=True)
+class StepNotes:
+    """What every layer of a step needs from probkv (``WorkerEviction.compact_metadata``).
+
+    ``work``: the prefill chunks of requests being observed, ``(row, request, lo, hi, n)``;
+    ``table``: the step's true (not compacted) block table; ``writes``: the log-weights to store
+    in the spare key columns at this step, before the kernel reads them (physical blocks,
+    offsets, log-weights, ``[n]`` each; None: none); ``unweighted_rows``: the query rows that
+    must not add the log-weights (prompt rows of a ``prob:`` request computed again after a
+    preemption; None: none)."""
+
+    work: list
+    table: torch.Tensor | None = None
+    writes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    unweighted_rows: torch.Tensor | None = None
+
+
+NO_NOTES = StepNotes([])
 
 
 def register_attention_backend() -> None:
@@ -63,11 +81,9 @@ class WorkerEviction:
         self.pending: dict[str, dict] = {}
         self.layers: tuple[int, ...] | None = None
         self.scale: float | None = None
-        self.step: tuple = ([], None, None)  # compact_metadata's notes for this step
+        self.step = NO_NOTES  # compact_metadata's notes for this step
         self._index_key: tuple | None = None
         self._index: torch.Tensor | None = None
-        self._weighted_key: tuple | None = None
-        self._weighted: WeightedBatch | None = None
 
     def start(self, req_id: str, prompt_length: int, sampling_params) -> None:
         """A new request: its policy from its ``extra_args`` or the engine's option."""
@@ -108,20 +124,33 @@ class WorkerEviction:
         plans = [None if q is None or q.kept is None else q.kept.plan for q in requests]
         starts = common.query_start_loc_cpu.tolist()
         seq_lens = common.seq_lens.tolist()
-        work, weighted = [], []
+        table = common.block_table_tensor
+        work, writes, unweighted = [], [], []
         for row, request in enumerate(requests):
             if request is None:
                 continue
             lo, hi, n = starts[row], starts[row + 1], seq_lens[row]
-            if request.kept is None:
+            kept = request.kept
+            if kept is None:
                 if n > request.prompt_length:
                     raise RuntimeError(
                         f"probkv: request {req_ids[row]} decodes before its prompt was observed"
                     )
                 work.append((row, request, lo, hi, n))
-            elif request.kept.weighted and n > request.prompt_length:
-                weighted.append((row, request.kept, max(lo, hi - (n - request.prompt_length)), hi))
-        self.step = (work, self._weighted_step(weighted, common), common.block_table_tensor)
+            elif kept.weighted:
+                prompt_rows = min(hi, hi - (n - kept.prompt_length)) - lo
+                if prompt_rows > 0:  # the prompt computed again after a preemption
+                    unweighted.append(torch.arange(lo, lo + prompt_rows, dtype=torch.int64))
+                if request.weights_due and n >= kept.prompt_length:
+                    blocks = table[row, kept.positions // self.block_size].to(torch.int64)
+                    writes.append((blocks, kept.positions % self.block_size, kept.log_weights))
+                    request.weights_due = False
+        self.step = StepNotes(
+            work,
+            table,
+            tuple(torch.cat(parts) for parts in zip(*writes)) if writes else None,
+            torch.cat(unweighted) if unweighted else None,
+        )
         if not any(plans):
             return common
         width = common.block_table_tensor.shape[1]
@@ -143,59 +172,23 @@ class WorkerEviction:
             max_seq_len=out.max_seq_len,
         )
 
-    def _weighted_step(self, items, common):
-        """The step's ``prob:`` rows after their prompts as one batch (``None``: none), what
-        every layer reads: the physical block and offset of each visible position (``[R N]``
-        each, and ``(R, N)``), the logit bias ``[R, Q, N]``, the query index of each of the last
-        ``Q`` rows ``[R, Q]`` and which of them are real ``[R, Q]``."""
-        if not items:
-            return None
-        key = tuple((row, id(kept)) for row, kept, _, _ in items)
-        if self._weighted_key != key:
-            self._weighted_key = key
-            self._weighted = WeightedBatch.of([kept for _, kept, _, _ in items])
-        rows = torch.tensor([row for row, *_ in items], dtype=torch.int64)
-        first = torch.tensor([lo for _, _, lo, _ in items], dtype=torch.int64)
-        end = torch.tensor([hi for *_, hi in items], dtype=torch.int64)
-        queries = int((end - first).max())
-        positions, bias = self._weighted.step(common.seq_lens.to(torch.int64)[rows], queries)
-        index = end[:, None] - queries + torch.arange(queries, dtype=torch.int64)[None, :]
-        real = index >= first[:, None]
-        table = common.block_table_tensor  # the true (not compacted) table: positions are true
-        blocks = table[rows[:, None], positions // self.block_size].to(torch.int64).flatten()
-        offsets = (positions % self.block_size).flatten()
-        index = torch.where(real, index, end[:, None] - 1)
-        return blocks, offsets, positions.shape, bias, index, real
-
     def attend(self, *, layer, query, caches, layout, output, scale) -> None:
-        """One layer's step, after vLLM's kernel: observe prefill chunks of evicting requests;
-        recompute, over their kept positions with log-weights, the rows after the prompt of
-        ``prob:`` requests (``query [T, Hq, d]``, ``output [T, Hq, d]``). Top-k requests need
-        nothing here: vLLM's kernel read their compacted sequence."""
-        work, weighted, table = self.step
+        """One layer's step, after vLLM's kernel: observe the prefill chunks of evicting
+        requests (``query [T, Hq, d]``; the caches may be wider than ``d``: spare columns).
+        Decoding requests need nothing here: vLLM's kernel read their compacted sequence, with
+        the log-weights of ``prob:`` requests in the keys' spare columns."""
+        d = query.shape[-1]
         key_cache, value_cache = caches
-        if weighted is not None:  # every prob: row in one call (S4), no loop over requests
-            blocks, offsets, (r, n), bias, index, real = weighted  # the same at every layer
-            keys = read_cache(key_cache, layout[0], blocks, offsets)
-            values = read_cache(value_cache, layout[1], blocks, offsets)
-            out = weighted_attention(
-                query[index],
-                keys.view(r, n, *keys.shape[1:]),
-                values.view(r, n, *values.shape[1:]),
-                bias,
-                scale=scale,
-            )
-            output[index[real]] = out[real].to(output.dtype)
-        for row, request, lo, hi, n in work:  # prefill chunks being observed
+        for row, request, lo, hi, n in self.step.work:
             rows = query[lo:hi]
             if not request.needs_entries(n):
                 request.add_chunk(layer, rows.transpose(0, 1).float(), None, None, t=n)
                 continue  # an early chunk: only its last query rows are kept
             positions = torch.arange(n, dtype=torch.int64)
-            blocks = table[row, positions // self.block_size].to(torch.int64)
+            blocks = self.step.table[row, positions // self.block_size].to(torch.int64)
             offsets = positions % self.block_size
-            keys = read_cache(key_cache, layout[0], blocks, offsets)  # [n, Hkv, d]
-            values = read_cache(value_cache, layout[1], blocks, offsets)
+            keys = read_cache(key_cache, layout[0], blocks, offsets)[..., :d]  # [n, Hkv, d]
+            values = read_cache(value_cache, layout[1], blocks, offsets)[..., :d]
             request.add_chunk(
                 layer,
                 rows.transpose(0, 1).float(),
@@ -261,6 +254,15 @@ class ProbKVWorker(CPUWorker):
                 vllm_config.parallel_config.tensor_parallel_size,
             )
         self._probkv = _ACTIVE
+
+    def get_kv_cache_spec(self):
+        """vLLM's specs, with spare key columns in an engine whose method is a ``prob:`` one
+        (``probkv.vllm.weights``)."""
+        specs = super().get_kv_cache_spec()
+        if self._probkv is None or not self._probkv.engine.weighted:
+            return specs
+        sizes = internals.cpu_head_sizes()
+        return internals.widened_kv_specs(specs, lambda d: padded_head_size(d, sizes))
 
     def load_model(self, *args, **kwargs):
         result = super().load_model(*args, **kwargs)
