@@ -134,6 +134,46 @@ def test_trained_scorer_evicts_by_name_and_is_refused_without_one(trained, tmp_p
         compress(other, ids, policy)
 
 
+def test_train_scorer_mlp_form_reports_both_forms_on_the_same_contexts(trained, tmp_path):
+    """The MLP form starts from the ridge fit and is measured beside it on the same held-out
+    contexts; the file reads back as an MLP scorer that evicts by name."""
+    model, linear, work = trained
+    mlp = ts.train_scorer(
+        model,
+        tiny_tokenizer(),
+        name="tiny",
+        work_dir=work,
+        contexts=4,
+        heldout=2,
+        length=LENGTH,
+        progress=False,
+        form="mlp",
+        hidden=8,
+        mlp_rows=64,
+        epochs=3,
+    )
+    assert mlp.form == "mlp" and mlp.recipe["form"] == "mlp" and mlp.recipe["hidden"] == 8
+    assert set(mlp.metrics["by_form"]) == {"linear", "mlp"}
+    # the linear row is the linear scorer's own held-out measurement
+    assert mlp.metrics["by_form"]["linear"]["spearman_mean"] == pytest.approx(
+        linear.metrics["spearman_mean"]
+    )
+    assert mlp.metrics["spearman_mean"] == mlp.metrics["by_form"]["mlp"]["spearman_mean"]
+    for i, fit in mlp.layers.items():
+        assert fit.w1.shape == (fit.weight.shape[0], 8) and fit.w2.shape == (8, fit.weight.shape[1])
+        info = mlp.metrics["by_form"]["mlp"]["per_layer"][str(i)]
+        assert info["val_mse"] <= info["val_mse_linear"]  # the best epoch, or the start
+    path = tmp_path / "mlp.pt"
+    sg.save_scorer(mlp, path)
+    loaded = sg.load_scorer(path)
+    policy = parse_method("prob:kvzap", 0.5)
+    policy = type(policy)(
+        **{**policy.__dict__, "score_params": {**policy.score_params, "surrogate": loaded}}
+    )
+    cache = compress(model, torch.tensor([list(range(6, 206))]), policy)
+    assert 0.4 < cache.effective_ratio() < 0.6
+
+
 def test_train_scorer_bad_input(trained):
     model, _, work = trained
     with pytest.raises(ValueError, match="heldout"):
@@ -142,6 +182,10 @@ def test_train_scorer_bad_input(trained):
         ts.train_scorer(model, tiny_tokenizer(), name="t", work_dir=work, features="hidden")
     with pytest.raises(ValueError, match="teacher must be one of"):
         ts.train_scorer(model, tiny_tokenizer(), name="t", work_dir=work, teacher="h2o")
+    with pytest.raises(ValueError, match="form must be one of"):
+        ts.train_scorer(model, tiny_tokenizer(), name="t", work_dir=work, form="tree")
+    with pytest.raises(ValueError, match="hidden must be"):
+        ts.train_scorer(model, tiny_tokenizer(), name="t", work_dir=work, form="mlp", hidden=0)
 
 
 def test_train_scorer_on_kvzip_plus_refuses_another_teachers_statistics(trained, tmp_path):
@@ -191,10 +235,15 @@ def test_train_scorer_cli(tmp_path, capsys):
         str(LENGTH),
         "--dtype",
         "float32",
+        "--form",
+        "mlp",
+        "--hidden",
+        "4",
     ]
     assert main(argv) == 0
     printed = capsys.readouterr().out
-    assert "features kv " in printed and "spearman per layer" in printed
-    assert sg.load_scorer(out).model["name"] == str(folder)
+    assert "features kv " in printed and "spearman per layer (mlp)" in printed
+    assert "form linear" in printed and "form mlp" in printed
+    assert sg.load_scorer(out).model["name"] == str(folder) and sg.load_scorer(out).form == "mlp"
     assert (tmp_path / "s.pt.work").is_dir()
     assert main(["train-scorer", "--out", str(tmp_path)]) == 2  # a folder, refused

@@ -291,3 +291,129 @@ def test_scorer_file_round_trip_and_refusals(tmp_path):
         sg.load_scorer(tmp_path / "text.pt")
     with pytest.raises(ValueError, match="features must be one of"):
         _scorer(features="queries")
+
+
+def _mlp_scorer(hkv=2, d=4, layers=(0, 3), hidden=5, threshold=None) -> sg.SurrogateScorer:
+    base = _scorer(hkv=hkv, d=d, layers=layers)
+    g = torch.Generator().manual_seed(11)
+    fits = {
+        i: sg.MLPSurrogate(
+            fit.mean,
+            fit.scale,
+            fit.weight,
+            fit.bias,
+            torch.randn(fit.weight.shape[0], hidden, generator=g),
+            torch.randn(hidden, generator=g),
+            torch.randn(hidden, hkv, generator=g),
+        )
+        for i, fit in base.layers.items()
+    }
+    return sg.SurrogateScorer("kv", fits, base.model, base.recipe, base.metrics, threshold)
+
+
+def _reference_mlp(fit: sg.MLPSurrogate, x: torch.Tensor) -> torch.Tensor:
+    """The two layers written out in float64, GELU as ``x Phi(x)`` with ``math.erf``."""
+    z = (x.double() - fit.mean.double()) / fit.scale.double()
+    pre = z @ fit.w1.double() + fit.b1.double()
+    gelu = pre * 0.5 * (1.0 + torch.special.erf(pre / math.sqrt(2.0)))
+    return z @ fit.weight.double() + fit.bias.double() + gelu @ fit.w2.double()
+
+
+def test_mlp_form_fast_path_equals_the_written_out_two_layers():
+    scorer = _mlp_scorer()
+    assert scorer.form == "mlp" and _scorer().form == "linear"
+    g = torch.Generator().manual_seed(12)
+    key, value = torch.randn(2, 9, 4, generator=g), torch.randn(2, 9, 4, generator=g)
+    out = sg.kvzap(key, value, layer_idx=3, surrogate=scorer, sinks=0)
+    ref = _reference_mlp(scorer.layers[3], sg.kv_features(key, value)).T
+    torch.testing.assert_close(
+        out.log_scores.double(), ref.clamp(sg.MIN_LOG_SCORE, 0), atol=1e-4, rtol=1e-5
+    )
+    plain = scorer.layers[3].predict(sg.kv_features(key, value))
+    torch.testing.assert_close(
+        plain.double(),
+        _reference_mlp(scorer.layers[3], sg.kv_features(key, value)),
+        atol=1e-4,
+        rtol=1e-5,
+    )
+    # the hidden layer matters here: the linear term alone predicts something else
+    linear = sg.LinearSurrogate(*(getattr(scorer.layers[3], k) for k in sg.FORM_TENSORS["linear"]))
+    assert (linear.predict(sg.kv_features(key, value)) - plain).abs().max() > 0.1
+    # deterministic: the same inputs give the same bits
+    again = sg.kvzap(key, value, layer_idx=3, surrogate=scorer, sinks=0)
+    assert torch.equal(again.log_scores, out.log_scores)
+
+
+def test_an_mlp_scorer_split_over_ranks_gives_the_unsplit_prediction():
+    scorer = _mlp_scorer(hkv=3)
+    g = torch.Generator().manual_seed(13)
+    key, value = torch.randn(3, 12, 4, generator=g), torch.randn(3, 12, 4, generator=g)
+    whole = sg.kvzap(key, value, layer_idx=3, surrogate=scorer, sinks=2)
+    shares = [
+        sg.ScorerShard(scorer, r, 1, lambda x: x).partial(3, key[r : r + 1], value[r : r + 1])
+        for r in range(3)
+    ]
+    assert shares[0].shape == (12, 3 + 5)  # the linear terms and the hidden layer's input
+    total = sum(shares)
+    for r in range(3):
+        shard = sg.ScorerShard(scorer, r, 1, lambda x, mine=shares[r]: x - mine + total)
+        out = sg.kvzap(key[r : r + 1], value[r : r + 1], layer_idx=3, surrogate=shard, sinks=2)
+        torch.testing.assert_close(out.log_scores, whole.log_scores[r : r + 1], atol=1e-4, rtol=0)
+
+
+def _nonlinear_data(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Features with a target no linear map predicts well: ``|x0| + x1 x2`` and ``-x3^2``."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 6, generator=g)
+    y = torch.stack([x[:, 0].abs() + x[:, 1] * x[:, 2], -(x[:, 3] ** 2)], 1)
+    return x, y + 0.05 * torch.randn(n, 2, generator=g)
+
+
+def test_fit_mlp_learns_what_the_ridge_fit_cannot_and_is_deterministic():
+    torch.set_num_threads(1)
+    x, y = _nonlinear_data(4000, 0)
+    vx, vy = _nonlinear_data(1000, 1)
+    tx, ty = _nonlinear_data(1000, 2)
+    base = sg.fit_ridge(_stats(x, y), 1e-4)
+    fit, info = sg.fit_mlp(x, y, vx, vy, base, hidden=32, epochs=30, batch=128, lr=1e-2)
+    ridge_mse = float((base.predict(tx) - ty).square().mean())
+    mlp_mse = float((fit.predict(tx) - ty).square().mean())
+    assert ridge_mse > 0.9  # the target's variance is mostly nonlinear
+    assert mlp_mse < 0.25 * ridge_mse, (mlp_mse, ridge_mse)  # held out, not fitted on
+    assert info["val_mse"] < info["val_mse_linear"] and 1 <= info["epoch"] <= 30
+    again, _ = sg.fit_mlp(x, y, vx, vy, base, hidden=32, epochs=30, batch=128, lr=1e-2)
+    assert torch.equal(again.w1, fit.w1) and torch.equal(again.w2, fit.w2)
+    # no step (lr 0): the start, which is the ridge fit's prediction
+    still, info0 = sg.fit_mlp(x, y, vx, vy, base, hidden=4, epochs=1, lr=0.0)
+    assert info0["epoch"] == 0
+    torch.testing.assert_close(still.predict(tx), base.predict(tx), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="hidden must be"):
+        sg.fit_mlp(x, y, vx, vy, base, hidden=0)
+    with pytest.raises(ValueError, match=r"x and y must be \[n, 6\] and \[n, 2\]"):
+        sg.fit_mlp(x[:, :5], y, vx, vy, base)
+    with pytest.raises(ValueError, match="lr must be a number >= 0, got -1"):
+        sg.fit_mlp(x, y, vx, vy, base, lr=-1)
+
+
+def test_mlp_scorer_file_round_trip_with_its_threshold(tmp_path):
+    scorer = _mlp_scorer(threshold=-5.25)
+    path = tmp_path / "mlp.pt"
+    sg.save_scorer(scorer, path)
+    back = sg.load_scorer(path)
+    assert back.form == "mlp" and back.threshold == -5.25
+    for i, fit in scorer.layers.items():
+        for name in sg.FORM_TENSORS["mlp"]:
+            assert torch.equal(getattr(back.layers[i], name), getattr(fit, name))
+    linear = tmp_path / "linear.pt"
+    sg.save_scorer(_scorer(), linear)
+    assert sg.load_scorer(linear).form == "linear" and sg.load_scorer(linear).threshold is None
+    blob = torch.load(path, weights_only=True)
+    blob["header"] = blob["header"].replace('"form": "mlp"', '"form": "tree"')
+    torch.save(blob, tmp_path / "tree.pt")
+    with pytest.raises(ValueError, match="form 'tree'; this probkv reads linear, mlp"):
+        sg.load_scorer(tmp_path / "tree.pt")
+    with pytest.raises(ValueError, match="threshold must be a finite log-score or None, got nan"):
+        _mlp_scorer(threshold=float("nan"))
+    mixed = {0: _scorer().layers[0], 3: _mlp_scorer().layers[3]}
+    with pytest.raises(ValueError, match="must all be LinearSurrogate or all MLPSurrogate"):
+        sg.SurrogateScorer("kv", mixed, scorer.model, scorer.recipe)

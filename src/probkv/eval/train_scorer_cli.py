@@ -48,6 +48,16 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         help="the score fitted (default kvzip; kvzip-plus: KVzap's KVzip+, the attention "
         "weighted by ||W_o v|| / ||h||)",
     )
+    p.add_argument(
+        "--form",
+        choices=("linear", "mlp"),
+        default="linear",
+        help="the scorer's form (default linear: a ridge fit; mlp: KVzap's two layers, a GELU "
+        "hidden layer beside the ridge fit it starts from; both are reported held out)",
+    )
+    p.add_argument(
+        "--hidden", type=positive_int, default=64, help="the MLP's hidden units (default 64)"
+    )
     add_dtype_argument(p)
     p.set_defaults(handler=run_train_scorer)
 
@@ -75,6 +85,8 @@ def run_train_scorer(args: argparse.Namespace) -> int:
         heldout=args.heldout,
         length=args.length,
         teacher=args.teacher,
+        form=args.form,
+        hidden=args.hidden,
     )
     digest = save_scorer(scorer, out)
     m = scorer.metrics
@@ -84,8 +96,11 @@ def run_train_scorer(args: argparse.Namespace) -> int:
             f"features {kind:<9} alpha={row['alpha']:g} spearman={row['spearman_mean']:.3f} "
             f"kept overlap {overlap}"
         )
+    for form, row in m["by_form"].items():
+        overlap = ", ".join(f"r={r}: {v:.3f}" for r, v in row["kept_overlap"].items())
+        print(f"form {form:<6} spearman={row['spearman_mean']:.3f} kept overlap {overlap}")
     print(
-        "spearman per layer:",
+        f"spearman per layer ({scorer.form}):",
         json.dumps({k: round(v, 3) for k, v in m["spearman_per_layer"].items()}),
     )
     print(f"wrote {out} (digest {digest[:16]}); {time.perf_counter() - start:.0f} s in all")

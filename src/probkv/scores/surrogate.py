@@ -3,7 +3,9 @@
 A reconstruction score (KVzip, S10.1) needs a second pass over the context. A surrogate
 ``s_hat_l(x_i)`` predicts it from what layer ``l`` already holds for position ``i`` during
 its own prefill, so it costs one small matrix product per layer, needs no second pass, and
-applies to generated tokens as they arrive. Here it is linear, fitted in closed form:
+applies to generated tokens as they arrive. Two forms (``FORMS``): ``"linear"``, fitted in
+closed form, and ``"mlp"``, KVzap's two-layer form (a GELU hidden layer beside the linear
+term, ``MLPSurrogate``), fitted by gradient descent from the linear fit (``fit_mlp``):
 
 - features (``FEATURE_KINDS``): ``"kv"``, each KV head's value and the norms of its key's
   RoPE pairs (a rotation by position leaves them unchanged, so post-RoPE keys give exactly
@@ -20,7 +22,8 @@ applies to generated tokens as they arrive. Here it is linear, fitted in closed 
   teacher's kept set a top-k of the prediction keeps at a compression ratio r).
 
 ``SurrogateScorer`` is one model's fitted layers with the model's identity (a digest of its
-config's shapes), the feature kind and the recipe's version; ``kvzap`` is the score function
+config's shapes), the feature kind, the recipe's version and, where one was measured, its
+default ``threshold`` (S11's threshold mode, chosen on training contexts); ``kvzap`` is the score function
 (a row of ``probkv.scores.SCORE_TABLE``). File I/O (``save_scorer``, ``load_scorer``) is a
 torch file of tensors with a JSON header and a content digest.
 """
@@ -42,6 +45,8 @@ from probkv.scores.functions import FORCED_LOG_SCORE, Scores
 from probkv.scores.proposals import FLOOR
 
 FEATURE_KINDS: tuple[str, ...] = ("kv", "kv-unrot", "hidden")
+# The scorer's forms: a linear map of the features, or KVzap's two layers (MLPSurrogate).
+FORMS: tuple[str, ...] = ("linear", "mlp")
 # Features the attention function can compute from its own inputs, at prefill and at decode.
 ATTENTION_FEATURE_KINDS: tuple[str, ...] = ("kv",)
 # Bumped when the features, targets or fit change: a file of another version is refused.
@@ -215,6 +220,134 @@ def fit_ridge(stats: RidgeStats, alpha: float) -> LinearSurrogate:
     )
 
 
+@dataclass(frozen=True)
+class MLPSurrogate:
+    """One layer's two-layer fit (KVzap's MLP form, with the linear term beside it):
+    ``z = (x - mean) / scale``, ``y_hat = z @ weight + bias + gelu(z @ w1 + b1) @ w2``;
+    ``mean``/``scale [f]``, ``weight [f, o]``, ``bias [o]``, ``w1 [f, h]``, ``b1 [h]``,
+    ``w2 [h, o]`` (float32; GELU's exact, erf form). With ``w2 = 0`` it is the linear fit."""
+
+    mean: torch.Tensor
+    scale: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor
+    w1: torch.Tensor
+    b1: torch.Tensor
+    w2: torch.Tensor
+
+    def predict(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [n, f]`` -> ``[n, o]`` float32."""
+        if x.ndim != 2 or x.shape[1] != self.weight.shape[0]:
+            raise ValueError(
+                f"features must be [n, {self.weight.shape[0]}] for this surrogate, got "
+                f"{tuple(x.shape)}"
+            )
+        dev = x.device
+        z = (x.to(torch.float32) - self.mean.to(dev)) / self.scale.to(dev)
+        hidden = torch.nn.functional.gelu(z @ self.w1.to(dev) + self.b1.to(dev))
+        return z @ self.weight.to(dev) + self.bias.to(dev) + hidden @ self.w2.to(dev)
+
+    def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        names = ("mean", "scale", "weight", "bias", "w1", "b1", "w2")
+        return {f"{prefix}.{k}": getattr(self, k) for k in names}
+
+
+# The tensors of each form's layer, in its constructor's order (the file's names).
+FORM_TENSORS: dict[str, tuple[str, ...]] = {
+    "linear": ("mean", "scale", "weight", "bias"),
+    "mlp": ("mean", "scale", "weight", "bias", "w1", "b1", "w2"),
+}
+FORM_CLASSES = {"linear": LinearSurrogate, "mlp": MLPSurrogate}
+
+
+def _mse(fit: MLPSurrogate, z: torch.Tensor, y: torch.Tensor, batch: int) -> float:
+    """Mean squared error of ``fit`` on standardised features ``z`` (no gradients)."""
+    total = 0.0
+    with torch.no_grad():
+        for start in range(0, z.shape[0], batch):
+            zb, yb = z[start : start + batch], y[start : start + batch]
+            hidden = torch.nn.functional.gelu(zb @ fit.w1 + fit.b1)
+            pred = zb @ fit.weight + fit.bias + hidden @ fit.w2
+            total += float((pred - yb).square().sum())
+    return total / max(1, y.numel())
+
+
+def fit_mlp(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    val_x: torch.Tensor,
+    val_y: torch.Tensor,
+    base: LinearSurrogate,
+    *,
+    hidden: int = 64,
+    epochs: int = 12,
+    batch: int = 1024,
+    lr: float = 2e-3,
+    weight_decay: float = 1e-4,
+    seed: int = 0,
+) -> tuple[MLPSurrogate, dict[str, float]]:
+    """KVzap's two-layer form fitted to ``y [n, o]`` from features ``x [n, f]``: ``base``'s
+    standardisation, its linear term as the starting point (``w2 = 0``: the start predicts
+    what ``base`` predicts), ``hidden`` GELU units, Adam(W) on the mean squared error in
+    mini-batches of ``batch`` rows for ``epochs`` passes (shuffled by ``seed``: the same
+    inputs give the same fit on one thread). The epoch with the lowest squared error on
+    ``val_x``/``val_y`` (rows not fitted on) is returned, with ``{"val_mse_linear",
+    "val_mse", "epoch"}`` (epoch 0: no pass improved on ``base``)."""
+    for value, label in ((hidden, "hidden"), (epochs, "epochs"), (batch, "batch")):
+        check_positive_int(value, label)
+    for value, label in ((lr, "lr"), (weight_decay, "weight_decay")):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise ValueError(f"{label} must be a number >= 0, got {value!r}")
+    f, o = base.weight.shape
+    for a, b, label in ((x, y, "x and y"), (val_x, val_y, "val_x and val_y")):
+        if a.ndim != 2 or b.ndim != 2 or a.shape[1] != f or b.shape[1] != o or len(a) != len(b):
+            raise ValueError(
+                f"{label} must be [n, {f}] and [n, {o}] for this base fit, got "
+                f"{tuple(a.shape)} and {tuple(b.shape)}"
+            )
+        if len(a) == 0 or not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise ValueError(f"{label} must be non-empty and finite")
+    gen = torch.Generator().manual_seed(seed)
+    mean, scale = base.mean.to(torch.float32), base.scale.to(torch.float32)
+    z = (x.to(torch.float32) - mean) / scale
+    val_z = (val_x.to(torch.float32) - mean) / scale
+    y, val_y = y.to(torch.float32), val_y.to(torch.float32)
+    params = {
+        "weight": base.weight.to(torch.float32).clone(),
+        "bias": base.bias.to(torch.float32).clone(),
+        "w1": torch.randn(f, hidden, generator=gen) / math.sqrt(f),
+        "b1": torch.zeros(hidden),
+        "w2": torch.zeros(hidden, o),
+    }
+    for t in params.values():
+        t.requires_grad_(True)
+
+    def snapshot() -> MLPSurrogate:
+        p = {k: v.detach().clone() for k, v in params.items()}
+        return MLPSurrogate(mean, scale, p["weight"], p["bias"], p["w1"], p["b1"], p["w2"])
+
+    best = snapshot()
+    linear_mse = best_mse = _mse(best, val_z, val_y, 8192)
+    best_epoch = 0
+    opt = torch.optim.AdamW(list(params.values()), lr=lr, weight_decay=weight_decay)
+    for epoch in range(1, epochs + 1):
+        order = torch.randperm(len(z), generator=gen)
+        for start in range(0, len(z), batch):
+            idx = order[start : start + batch]
+            zb, yb = z[idx], y[idx]
+            h = torch.nn.functional.gelu(zb @ params["w1"] + params["b1"])
+            pred = zb @ params["weight"] + params["bias"] + h @ params["w2"]
+            loss = (pred - yb).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        current = snapshot()
+        mse = _mse(current, val_z, val_y, 8192)
+        if mse < best_mse:
+            best, best_mse, best_epoch = current, mse, epoch
+    return best, {"val_mse_linear": linear_mse, "val_mse": best_mse, "epoch": best_epoch}
+
+
 # ----------------------------------------------------------------------------- checks
 
 
@@ -285,20 +418,39 @@ def config_digest(shapes: dict[str, object]) -> str:
 class SurrogateScorer:
     """One model's fitted surrogate: ``layers[layer_idx]`` per evicting layer, its ``features``
     kind, the ``model`` identity (``name``, ``shapes`` and their ``digest``) it was trained
-    for, the ``recipe`` (version, teacher, training contexts, ridge alpha) and ``metrics``
-    measured held out."""
+    for, the ``recipe`` (version, teacher, training contexts, ridge alpha, form) and
+    ``metrics`` measured held out; ``threshold``: the default log-score threshold measured for
+    it (``kvzap/threshold=...``, S11), or ``None``. Every layer has one form (``form``)."""
 
     features: str
-    layers: dict[int, LinearSurrogate]
+    layers: dict[int, LinearSurrogate | MLPSurrogate]
     model: dict[str, object]
     recipe: dict[str, object]
     metrics: dict[str, object] = field(default_factory=dict)
+    threshold: float | None = None
 
     def __post_init__(self) -> None:
         check_choice(self.features, FEATURE_KINDS, "features")
         for key in ("name", "shapes", "digest"):
             if key not in self.model:
                 raise ValueError(f"a scorer's model identity needs {key!r}; got {self.model}")
+        kinds = {type(fit) for fit in self.layers.values()}
+        if not kinds <= {LinearSurrogate, MLPSurrogate} or len(kinds) > 1:
+            raise ValueError(
+                "a scorer's layers must all be LinearSurrogate or all MLPSurrogate, got "
+                f"{sorted(k.__name__ for k in kinds)}"
+            )
+        t = self.threshold
+        if t is not None and (
+            isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t)
+        ):
+            raise ValueError(f"threshold must be a finite log-score or None, got {t!r}")
+
+    @property
+    def form(self) -> str:
+        """``"mlp"`` if the layers are ``MLPSurrogate``, else ``"linear"``."""
+        mlp = any(isinstance(fit, MLPSurrogate) for fit in self.layers.values())
+        return "mlp" if mlp else "linear"
 
     @property
     def name(self) -> str:
@@ -324,7 +476,7 @@ class SurrogateScorer:
             )
         return out.T.clamp(MIN_LOG_SCORE, 0.0).contiguous()
 
-    def check_layer(self, layer_idx: int) -> LinearSurrogate:
+    def check_layer(self, layer_idx: int) -> LinearSurrogate | MLPSurrogate:
         """Layer ``layer_idx``'s fit, refused by name when the scorer cannot score it."""
         if self.features not in ATTENTION_FEATURE_KINDS:
             raise ValueError(
@@ -343,11 +495,12 @@ class SurrogateScorer:
 class ScorerShard:
     """A ``SurrogateScorer`` on one tensor-parallel rank, which holds KV heads
     ``[first, first + count)`` of every layer while each head's prediction reads every KV head
-    (S11). The prediction is linear in the features of each head, so the rank computes its
-    heads' share of every head's prediction (``partial``, ``[t, Hkv]``), ``all_reduce`` sums
-    the ranks' shares (over the TP group: ``Hkv`` floats per position and layer, not the
-    features), and the rank keeps its own heads' rows: the unsplit prediction, up to the
-    order of the sum."""
+    (S11). The linear term (and, in the MLP form, the hidden layer's input) is a sum over the
+    heads' features, so the rank computes its heads' share of it (``partial``, ``[t, Hkv]``, or
+    ``[t, Hkv + h]`` for ``h`` hidden units), ``all_reduce`` sums the ranks' shares (over the
+    TP group: ``Hkv`` (+ ``h``) floats per position and layer, not the features), every rank
+    applies the rest (the GELU layer), and keeps its own heads' rows: the unsplit prediction,
+    up to the order of the sum."""
 
     scorer: SurrogateScorer
     first: int
@@ -359,8 +512,9 @@ class ScorerShard:
         return self.scorer.name
 
     def partial(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """``[t, Hkv]`` float32: this rank's heads' (``key``/``value [count, t, d]``) terms of
-        every head's prediction, without the intercept."""
+        """``[t, Hkv]`` (MLP form: ``[t, Hkv + h]``) float32: this rank's heads'
+        (``key``/``value [count, t, d]``) terms of every head's linear prediction (and of the
+        hidden layer's input), without the intercepts."""
         fit = self.scorer.check_layer(layer_idx)
         if key.ndim != 3 or key.shape[0] != self.count:
             raise ValueError(
@@ -374,24 +528,45 @@ class ScorerShard:
         of the unsplit layer, these heads' rows)."""
         fit = self.scorer.check_layer(layer_idx)
         total = self.all_reduce(self.partial(layer_idx, key, value))
-        out = total + _intercept(fit).to(total.device)
+        out = _finish(fit, total + _folded(fit)[1].to(total.device))
         own = out[:, self.first : self.first + self.count]
         return own.T.clamp(MIN_LOG_SCORE, 0.0).contiguous()
 
 
-def _intercept(fit: LinearSurrogate) -> torch.Tensor:
-    """``b - mean (W / scale)``: the prediction of all-zero features, ``[o]``."""
-    return fit.bias - fit.mean @ (fit.weight / fit.scale.unsqueeze(1))
+def _folded(fit: LinearSurrogate | MLPSurrogate) -> tuple[torch.Tensor, torch.Tensor]:
+    """The maps of raw features that a fit starts with, standardisation folded in:
+    ``(W / scale, b - mean (W / scale))``, ``[f, m]`` and ``[m]``, with ``W`` the linear
+    weight (``m = o``) or, for the MLP form, the linear weight and ``w1`` side by side
+    (``m = o + h``, biases ``bias`` and ``b1``)."""
+    weight, bias = fit.weight, fit.bias
+    if isinstance(fit, MLPSurrogate):
+        weight, bias = torch.cat([weight, fit.w1], 1), torch.cat([bias, fit.b1])
+    w = weight / fit.scale.unsqueeze(1)
+    return w, bias - fit.mean @ w
+
+
+def _finish(fit: LinearSurrogate | MLPSurrogate, pre: torch.Tensor) -> torch.Tensor:
+    """``[t, m]`` (``_folded``'s map of the features) -> the prediction ``[t, o]``: the same
+    for the linear form; the linear part plus ``gelu(hidden input) @ w2`` for the MLP."""
+    if not isinstance(fit, MLPSurrogate):
+        return pre
+    o = fit.weight.shape[1]
+    hidden = torch.nn.functional.gelu(pre[:, o:])
+    return pre[:, :o] + hidden @ fit.w2.to(pre.device)
 
 
 def _predict_kv(
-    fit: LinearSurrogate, key: torch.Tensor, value: torch.Tensor, heads: slice | None = None
+    fit: LinearSurrogate | MLPSurrogate,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    heads: slice | None = None,
 ) -> torch.Tensor:
     """``fit.predict(kv_features(key, value))`` without building the features: the
-    standardisation folded into the weights (``W / scale``, ``b - mean (W / scale)``), then
-    one batched product per kind of feature, summed over heads. ``[t, o]`` float32. With
-    ``heads`` (the KV heads ``key``/``value`` hold, of the layer's), only those heads' terms,
-    without the intercept (``ScorerShard.partial``)."""
+    standardisation folded into the weights (``_folded``), then one batched product per kind
+    of feature, summed over heads, then the MLP's hidden layer (``_finish``). ``[t, o]``
+    float32. With ``heads`` (the KV heads ``key``/``value`` hold, of the layer's), only those
+    heads' terms of the folded map ``[t, m]``, without the intercepts
+    (``ScorerShard.partial``)."""
     if key.ndim != 3 or value.ndim != 3 or key.shape[:2] != value.shape[:2]:
         raise ValueError(
             f"key and value must be [Hkv, t, d] of equal Hkv and t, got {tuple(key.shape)} "
@@ -400,19 +575,19 @@ def _predict_kv(
     hkv, t, d = key.shape
     dv = value.shape[-1]
     per = dv + d // 2
-    f, o = fit.weight.shape
+    f = fit.weight.shape[0]
     total = hkv if heads is None else f // per
     if f != total * per or (heads is not None and len(range(total)[heads]) != hkv):
         raise ValueError(f"features must be [n, {f}] for this surrogate, got [{t}, {hkv * per}]")
-    w = (fit.weight / fit.scale.unsqueeze(1)).to(key.device)
-    w = w.view(total, per, o)
+    w, intercept = _folded(fit)
+    w = w.to(key.device).view(total, per, w.shape[1])
     if heads is not None:
         w = w[heads]
     out = torch.bmm(value.to(torch.float32), w[:, :dv]).sum(0)
     out += torch.bmm(key_pair_norms(key), w[:, dv:]).sum(0)
     if heads is not None:
         return out
-    return out.add_(_intercept(fit).to(key.device))
+    return _finish(fit, out.add_(intercept.to(key.device)))
 
 
 def check_scorer(value: object, name: str) -> SurrogateScorer | ScorerShard:
@@ -484,6 +659,8 @@ def save_scorer(scorer: SurrogateScorer, path: str | Path) -> str:
         "format": FILE_FORMAT,
         "recipe_version": RECIPE_VERSION,
         "features": scorer.features,
+        "form": scorer.form,
+        "threshold": scorer.threshold,
         "layers": sorted(scorer.layers),
         "model": scorer.model,
         "recipe": scorer.recipe,
@@ -513,12 +690,18 @@ def load_scorer(path: str | Path) -> SurrogateScorer:
         )
     if content_digest(tensors) != header.get("digest"):
         raise ValueError(f"{path}: content digest mismatch (the file is damaged)")
-    layers = {
-        i: LinearSurrogate(*(tensors[f"layer{i}.{k}"] for k in ("mean", "scale", "weight", "bias")))
-        for i in header["layers"]
-    }
+    form = header.get("form", "linear")  # files written before the MLP form are linear
+    if form not in FORMS:
+        raise ValueError(f"{path}: form {form!r}; this probkv reads {', '.join(FORMS)}")
+    cls, names = FORM_CLASSES[form], FORM_TENSORS[form]
+    layers = {i: cls(*(tensors[f"layer{i}.{k}"] for k in names)) for i in header["layers"]}
     return SurrogateScorer(
-        header["features"], layers, header["model"], header["recipe"], header["metrics"]
+        header["features"],
+        layers,
+        header["model"],
+        header["recipe"],
+        header["metrics"],
+        header.get("threshold"),
     )
 
 
