@@ -500,14 +500,14 @@ def test_cli_eval_unwritable_out_is_named(tmp_path, cache):
 
 
 def test_attention_error_removes_its_temporary_file_on_failure(tmp_path, monkeypatch):
-    from probkv.eval import attention_error_cli
+    from probkv.eval import outputs
 
     def no_rename(src, dst):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(attention_error_cli.os, "replace", no_rename)
+    monkeypatch.setattr(outputs.os, "replace", no_rename)
     with pytest.raises(ValueError, match=r"--out '.*out\.json': cannot write it \(No space left"):
-        attention_error_cli.write_json(tmp_path / "out.json", {"rows": []})
+        outputs.write_json(tmp_path / "out.json", {"rows": []})
     assert list(tmp_path.iterdir()) == []
 
 

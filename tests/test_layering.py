@@ -277,3 +277,19 @@ def test_only_the_vllm_integration_imports_vllm_and_it_leaves_the_hf_one_alone()
             if layer(module) == "hf" and name.startswith("probkv.vllm"):
                 bad.append(f"{module} imports {name}")
     assert bad == []
+
+
+def test_only_the_cli_reads_argparse():
+    """Every command of the command line lives in probkv.cli, which turns the parsed arguments
+    into calls of typed entry points: no other module imports argparse (so none takes an
+    ``argparse.Namespace``), and the CLI imports its command modules statically (no
+    ``importlib``: an import by name hides an edge of the import graph)."""
+    outside = [m for m in MODULES if layer(m) != "cli" and "argparse" in imports(m)]
+    assert outside == []
+    by_name = [
+        m
+        for m in MODULES
+        if layer(m) == "cli" and any(n.split(".")[0] == "importlib" for n in imports(m))
+    ]
+    assert by_name == []
+    assert "argparse" in imports("probkv.cli.main")  # the check does see an import of argparse

@@ -54,7 +54,8 @@ def test_bad_values_name_the_value(parse, bad, message):
 # Runs in a fresh interpreter: which modules each step has loaded so far.
 PROBE = """
 import json, sys
-import probkv.eval.commands, probkv.eval.attention_error_cli
+import probkv.cli.eval_commands, probkv.cli.experiment_commands
+import probkv.cli.model_commands, probkv.cli.train_scorer_command
 after_commands = "probkv.cli.main" in sys.modules
 from probkv.cli import main as cli
 try:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ import torch
 
 from probkv import models
 from probkv.cli import main as cli
+from probkv.cli import model_commands
 from probkv.models import CACHE_ENV, DEFAULT_MODEL, ModelSpec
 from probkv.models.testing import write_tiny_gguf
 
@@ -35,9 +35,9 @@ def cache(tmp_path, monkeypatch) -> Path:
 def test_parser_wires_the_builtin_commands():
     parser = cli.build_parser()
     args = parser.parse_args(["generate"])
-    assert args.command == "generate" and args.handler is cli._run_generate
+    assert args.command == "generate" and args.handler is model_commands.run_generate
     assert (args.model, args.max_new_tokens, args.threads) == (DEFAULT_MODEL, 32, 1)
-    assert parser.parse_args(["models"]).handler is cli._run_models
+    assert parser.parse_args(["models"]).handler is model_commands.run_models
     with pytest.raises(SystemExit):
         parser.parse_args([])  # a subcommand is required
 
@@ -146,26 +146,21 @@ def test_missing_package_error_shows_install_command(monkeypatch, capsys, cache)
 
 
 def test_other_modules_register_subcommands(monkeypatch, capsys):
-    """The registration pattern: a module in COMMAND_MODULES adds parsers with a handler."""
-    plugin = types.ModuleType("probkv_test_plugin")
+    """The registration pattern: a function in COMMANDS adds parsers with a handler."""
 
     def add_commands(subparsers: argparse._SubParsersAction) -> None:
         parser = subparsers.add_parser("hello", help="say hello")
         parser.add_argument("--name", default="world")
         parser.set_defaults(handler=lambda args: print(f"hello {args.name}") or 0)
 
-    plugin.add_commands = add_commands
-    monkeypatch.setitem(sys.modules, "probkv_test_plugin", plugin)
-    monkeypatch.setattr(cli, "COMMAND_MODULES", (*cli.COMMAND_MODULES, "probkv_test_plugin"))
+    monkeypatch.setattr(cli, "COMMANDS", (*cli.COMMANDS, add_commands))
     assert cli.main(["hello", "--name", "kv", "--threads", "1"]) == 0
     assert capsys.readouterr().out == "hello kv\n"
 
 
 def test_subcommand_without_handler_is_a_wiring_error(monkeypatch):
-    plugin = types.ModuleType("probkv_test_broken")
-    plugin.add_commands = lambda subparsers: subparsers.add_parser("broken")
-    monkeypatch.setitem(sys.modules, "probkv_test_broken", plugin)
-    monkeypatch.setattr(cli, "COMMAND_MODULES", ("probkv.cli.main", "probkv_test_broken"))
+    broken = lambda subparsers: subparsers.add_parser("broken")  # noqa: E731
+    monkeypatch.setattr(cli, "COMMANDS", (model_commands.add_commands, broken))
     with pytest.raises(RuntimeError, match="'broken' sets no handler"):
         cli.build_parser()
 
@@ -199,7 +194,7 @@ def test_prompts_past_the_default_models_positions_are_refused_before_it_loads(
     def refuse(*args, **kwargs):
         pytest.fail("the model was loaded")
 
-    monkeypatch.setattr(cli, "load_model", refuse)
+    monkeypatch.setattr(model_commands, "load_model", refuse)
     monkeypatch.setattr(models, "load_model", refuse)
     prompt = "The grass is green and the sky is blue. " * 950
     assert cli.main(["generate", "--prompt", prompt]) == 2

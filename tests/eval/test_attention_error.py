@@ -11,8 +11,9 @@ import torch
 
 import probkv.hf.eviction as eviction_module
 from probkv import estimation
+from probkv.cli.args import float_list
+from probkv.cli.experiment_commands import format_table
 from probkv.eval import attention_error as ae
-from probkv.eval.attention_error_cli import float_list, format_table
 from probkv.eval.paper_prompt import PAPER_QUESTION, PAPER_TEXT
 from probkv.hf import compress, observe, prepare_model
 from probkv.models.testing import save_tiny_model_folder, tiny_model, tiny_tokenizer

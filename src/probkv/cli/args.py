@@ -78,6 +78,31 @@ def ratio_list(value: str) -> list[float]:
     return out
 
 
+def float_list(text: str) -> list[float]:
+    """argparse type: comma-separated numbers (``0.25,0.5``); names the bad item."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}")
+    out = []
+    for item in items:
+        try:
+            out.append(float(item))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r} in {text!r} is not a number") from None
+    return out
+
+
+def non_negative_int(value: str) -> int:
+    """argparse type: an integer >= 0 (error message names the bad value)."""
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value!r}")
+    return n
+
+
 def length_list(value: str) -> list[int]:
     """argparse type: comma-separated positive integers (prompt lengths in tokens)."""
     return [positive_int(item) for item in comma_list(value)]

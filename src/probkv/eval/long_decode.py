@@ -16,14 +16,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from probkv._checks import check_positive_int
 from probkv.eval.haystack.stream import word_stream
+from probkv.eval.outputs import check_output_file, write_json
 from probkv.hf import AttentionRecorder, ProbKVCache, prepare_model
 from probkv.hf.capture import CAPTURE_KWARG
 from probkv.hf.decode_budget import DecodeBudget
@@ -273,3 +276,88 @@ def summarise(rows: Sequence[dict]) -> list[dict]:
             }
         )
     return table
+
+
+@dataclass(frozen=True)
+class LongDecodeResult:
+    rows: list[dict]
+    summary: list[dict]
+    path: Path
+
+
+def run_long_decode(
+    config: LongDecodeConfig,
+    *,
+    model: str,
+    text: str,
+    out: str | Path,
+    dtype: str = "auto",
+    progress: Callable[[dict], None] | None = None,
+) -> LongDecodeResult:
+    """``probkv long-decode``: ``config`` on ``model`` over ``text`` (a UTF-8 file, or
+    ``prose:SEED``), every input checked before the model loads; writes ``{"header", "rows",
+    "summary"}`` to ``out``."""
+    from probkv.models import load_model, model_max_positions
+    from probkv.models.dtypes import MODEL_DTYPES, resolve_dtype_name
+
+    path = check_output_file(out, "--out")  # every input is checked before the model loads
+    need = config.prompt_tokens + config.tokens
+    words = read_text(text, words=need * 2)
+    check_positions(config.prompt_tokens, config.tokens, model_max_positions(model))
+    resolved = resolve_dtype_name(dtype)
+    print(f"[long-decode] model dtype: {resolved} (--dtype {dtype})", file=sys.stderr)
+    loaded, tokenizer = load_model(model, dtype=MODEL_DTYPES[resolved])
+    ids = text_token_ids(tokenizer, words, need)
+    start = time.perf_counter()
+    rows = long_decode(loaded, ids, config, progress=progress)
+    header = {
+        "experiment": "long-decode",
+        "model": model,
+        "dtype": resolved,
+        "text": text,
+        "prompt_tokens": config.prompt_tokens,
+        "tokens": config.tokens,
+        "budget": list(config.budgets),
+        "every": config.every,
+        "methods": list(config.methods),
+        "seeds": config.seeds,
+        "error_steps": list(config.error_steps),
+        "seconds": time.perf_counter() - start,
+    }
+    summary = summarise(rows)
+    write_json(path, {"header": header, "rows": rows, "summary": summary})
+    return LongDecodeResult(rows, summary, path)
+
+
+def read_text(spec: str, words: int) -> str:
+    """The text of ``--text``: a file, or ``prose:SEED`` (``words`` words generated)."""
+    if spec.startswith("prose:"):
+        seed = spec.removeprefix("prose:")
+        if not seed.isdigit():
+            raise ValueError(f"--text prose:SEED needs an integer seed, got {spec!r}")
+        return prose_text(words, int(seed))
+    path = Path(spec)
+    if not path.is_file():
+        raise ValueError(f"--text {spec!r}: no such file (or use prose:SEED)")
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise ValueError(f"--text {spec!r}: cannot read it ({err.strerror})") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"--text {spec!r}: not valid UTF-8 (byte 0x{data[err.start]:02x} at offset "
+            f"{err.start}); give a UTF-8 text file (iconv -f latin1 -t utf-8 converts one)"
+        ) from None
+
+
+def check_positions(prompt_tokens: int, tokens: int, limit: int) -> None:
+    """Refuse ``--prompt-tokens`` + ``--tokens`` beyond the model's ``limit`` positions
+    (before the model loads: past them the run would only fail, or wrap, at the end)."""
+    if prompt_tokens + tokens > limit:
+        raise ValueError(
+            f"--prompt-tokens {prompt_tokens} + --tokens {tokens} = {prompt_tokens + tokens} "
+            f"positions, above the model's limit of {limit} (max_position_embeddings); "
+            "lower them"
+        )

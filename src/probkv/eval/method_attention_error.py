@@ -33,12 +33,16 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
 from probkv._checks import check_positive_int, check_ratio, check_token_ids
 from probkv.eval.attention_error import evicting_layers
+from probkv.eval.config import RunConfig
+from probkv.eval.outputs import check_output_file, write_json
 from probkv.eval.winscore import sign_test_p
 from probkv.policies import (
     EvictionPolicy,
@@ -234,3 +238,118 @@ def mean_over_examples(rows: Sequence[dict]) -> list[dict]:
                 break
         out.append(summary)
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskAttentionErrorRun:
+    """One ``probkv task-attention-error`` run, as given: the methods and ratios measured with
+    ``seeds`` seeds, ``answer_tokens`` greedy answer tokens of the full model, and the example
+    source of ``probkv eval`` (``data`` or generated ``tasks`` at ``lengths``; checked by
+    :meth:`config`, the way ``probkv eval`` checks it)."""
+
+    model: str
+    methods: Sequence[str]
+    ratios: Sequence[float]
+    out: str | Path
+    seeds: int = 3
+    answer_tokens: int = 16
+    data: str | None = None
+    data_format: str = "auto"
+    tasks: Sequence[str] | None = None
+    lengths: Sequence[int] | None = None
+    per_task: int = 3
+    seed: int = 0
+    question_aware: bool = False
+    max_examples: int | None = None
+    dtype: str = "auto"
+
+    def config(self) -> RunConfig:
+        """The examples' configuration (``RunConfig`` checks the example source)."""
+        return RunConfig(
+            model=self.model,
+            methods=tuple(self.methods),
+            ratios=tuple(self.ratios),
+            data=self.data,
+            data_format=self.data_format,
+            tasks=tuple(self.tasks or ()),
+            lengths=tuple(self.lengths or ()),
+            per_task=self.per_task,
+            seed=self.seed,
+            question_aware=self.question_aware,
+            max_examples=self.max_examples,
+            dtype=self.dtype,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskAttentionErrorResult:
+    rows: list[dict]
+    summary: list[dict]
+    examples: int
+    path: Path
+
+
+def run_task_attention_error(
+    run: TaskAttentionErrorRun, *, log: Callable[[str], None] = lambda message: None
+) -> TaskAttentionErrorResult:
+    """``probkv task-attention-error``: load the model and the run's examples (split as
+    ``probkv eval`` splits them), measure every example, write ``{"header", "rows",
+    "summary"}`` to ``run.out`` (checked before the model loads)."""
+    from probkv.eval.attention_prompts import AttentionPrompt, decode_tokens
+    from probkv.eval.job import job_prompt_ids, split_prompt
+    from probkv.eval.plan import load_run_examples
+    from probkv.hf import prepare_model, repeat_prompt  # transformers: only when a run starts
+    from probkv.models import load_model, max_positions
+    from probkv.models.dtypes import MODEL_DTYPES, resolve_dtype_name
+
+    validate_methods(run.methods, run.ratios, run.seeds)
+    config = run.config()
+    path = check_output_file(run.out, "--out")
+    start = time.perf_counter()
+    dtype = resolve_dtype_name(run.dtype)
+    model, tokenizer = load_model(run.model, dtype=MODEL_DTYPES[dtype])
+    prepare_model(model)
+    examples = load_run_examples(config, tokenizer)
+    rebuild = repeat_prompt(tokenizer)
+    log(f"{len(examples)} examples; model dtype: {dtype} (--dtype {run.dtype})")
+    rows, prompts = [], []
+    for example in examples:
+        context, question, _ = job_prompt_ids(example, tokenizer, max_positions(model.config))
+        prefilled, fed = split_prompt(context, question, run.question_aware)
+        # the example as an AttentionPrompt: the evicted part, then the fed tokens
+        prompt = AttentionPrompt(tuple(prefilled), tuple(fed), f"example:{example.id}", "paper")
+        decode = decode_tokens(model, prompt, len(fed) + run.answer_tokens)
+        prompts.append(
+            {
+                "example": example.id,
+                "prompt_tokens": len(prefilled),
+                "fed_tokens": len(fed),
+                "answer_text": tokenizer.decode(list(decode[len(fed) :])),
+            }
+        )
+        rows += measure_method_errors(
+            model,
+            torch.tensor(prefilled),
+            torch.tensor(decode),
+            num_fed=len(fed),
+            methods=run.methods,
+            ratios=run.ratios,
+            seeds=run.seeds,
+            repeat_prompt=rebuild,
+            example=example.id,
+            progress=log,
+        )
+    summary = mean_over_examples(rows)
+    arguments = ("methods", "ratios", "seeds", "tasks", "lengths", "per_task", "seed", "data")
+    arguments += ("question_aware", "max_examples", "answer_tokens")
+    header = {
+        "experiment": "task-attention-error (S7, Eq. 11, compounded; probkv.eval."
+        "method_attention_error)",
+        "model": run.model,
+        "dtype": dtype,
+        "arguments": {name: getattr(run, name) for name in arguments},
+        "examples": prompts,
+        "runtime_s": round(time.perf_counter() - start, 2),
+    }
+    write_json(path, {"header": header, "rows": rows, "summary": summary})
+    return TaskAttentionErrorResult(rows, summary, len(examples), path)

@@ -15,11 +15,12 @@ exits with status 2).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["check_output_file", "check_output_folder", "remove_quietly"]
+__all__ = ["check_output_file", "check_output_folder", "remove_quietly", "write_json"]
 
 
 def _as_path(path: str | os.PathLike[str], flag: str) -> Path:
@@ -92,3 +93,19 @@ def remove_quietly(path: Path) -> None:
     """Remove a temporary file after a failure (it may never have been created)."""
     with contextlib.suppress(OSError):
         path.unlink()
+
+
+def write_json(path: Path, payload: dict) -> None:
+    """Write ``payload`` to ``path`` atomically (temporary file, then rename); on failure the
+    temporary file is removed and a ``ValueError`` names ``--out`` and the path."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(payload, indent=1, allow_nan=False) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as err:
+        remove_quietly(tmp)
+        raise ValueError(f"--out {str(path)!r}: cannot write it ({err.strerror})") from None
+    except BaseException:
+        remove_quietly(tmp)
+        raise

@@ -9,8 +9,9 @@ import json
 import pytest
 import torch
 
+from probkv.cli import eval_commands as commands
 from probkv.cli import main as cli
-from probkv.eval import commands, demo, generate_examples, write_examples
+from probkv.eval import demo, generate_examples, write_examples
 from probkv.eval.store import CONFIG_FILE, RESULTS_FILE, read_results
 from probkv.models.testing import tiny_tokenizer
 
@@ -32,7 +33,7 @@ def parse(argv):
 
 
 def test_registered():
-    assert "probkv.eval.commands" in cli.COMMAND_MODULES
+    assert commands.add_commands in cli.COMMANDS
     args = parse(["eval", "--data", "d.jsonl", "--out", "o"])
     assert args.handler is commands.run_eval_command
     assert args.methods == ["full", "snapkv", "prob:min-h"] and args.ratios == [0.5]
