@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from probkv.eval.long_decode import prose_text
+from probkv.experiments.long_decode import prose_text
 from probkv.hf import compress, generate, pad_left, prepare_model
 from probkv.models import load_model
 from probkv.policies import parse_method

@@ -21,7 +21,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from probkv.eval.long_decode import prose_text, text_token_ids
+from probkv.experiments.long_decode import prose_text, text_token_ids
 from probkv.hf import ProbKVCache, prepare_model
 from probkv.policies import FullCache, parse_method
 

@@ -32,11 +32,11 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from probkv.eval import attention_error as ae
-from probkv.eval.attention_prompts import decode_tokens, text_prompt
-from probkv.eval.paper_prompt import PAPER_QUESTION, PAPER_TEXT
 from probkv.eval.runner import RunConfig, run_eval
 from probkv.eval.store import RESULTS_FILE, read_results
+from probkv.experiments import attention_error as ae
+from probkv.experiments.attention_prompts import decode_tokens, text_prompt
+from probkv.experiments.paper_prompt import PAPER_QUESTION, PAPER_TEXT
 from probkv.hf import prepare_model
 from probkv.models import load_model
 from probkv.models.dtypes import MODEL_DTYPES, cpu_has_native_bfloat16, resolve_dtype_name

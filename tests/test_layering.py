@@ -8,8 +8,12 @@ default). Then:
   checks) imports neither transformers nor probkv's policies, integration, evaluation, model
   loading or CLI;
 - the policies import neither transformers nor the integration, evaluation, models or CLI;
-- the evaluation never touches transformers' attention registry nor switches a model's
-  attention implementation: it runs models through the integration (``probkv.hf``);
+- the evaluation harness imports neither the experiments, the training nor the CLI; the
+  experiments and the training import neither each other nor the CLI (the harness is what
+  they share);
+- the evaluation, experiments, training and CLI never touch transformers' attention registry
+  nor switch a model's attention implementation: they run models through the integration
+  (``probkv.hf``);
 - no two probkv modules import each other, directly or through others;
 - no two modules in different layers share a name (``probkv.hf.attention`` and a maths
   ``attention`` would read as one thing).
@@ -45,14 +49,24 @@ LAYERS = {
     "vllm": ("probkv.vllm",),
     "models": ("probkv.models",),
     "eval": ("probkv.eval",),
+    "experiments": ("probkv.experiments",),
+    "training": ("probkv.training",),
     "cli": ("probkv.cli",),
 }
 HIGHER_LAYERS = tuple(
-    p for name in ("policies", "hf", "vllm", "models", "eval", "cli") for p in LAYERS[name]
+    p
+    for name in ("policies", "hf", "vllm", "models", "eval", "experiments", "training", "cli")
+    for p in LAYERS[name]
 )
 FORBIDDEN = {
     "maths": ("transformers", *HIGHER_LAYERS),
     "policies": ("transformers", *(p for p in HIGHER_LAYERS if p != "probkv.policies")),
+}
+# The layers above the integration, checked statically only (importing them loads transformers).
+FORBIDDEN_ABOVE = {
+    "eval": ("probkv.experiments", "probkv.training", "probkv.cli"),
+    "experiments": ("probkv.training", "probkv.cli"),
+    "training": ("probkv.experiments", "probkv.cli"),
 }
 # transformers' attention registry and implementation switch: only probkv.hf may use them.
 ATTENTION_REGISTRY = {
@@ -119,6 +133,8 @@ def test_modules_are_discovered_and_each_is_in_a_layer():
         "probkv.policies.base",
         "probkv.hf.cache",
         "probkv.eval.runner",
+        "probkv.experiments.attention_error",
+        "probkv.training.scorer",
     } <= set(MODULES)
     layers = {m: layer(m) for m in MODULES}  # raises for a module in no layer
     assert layers["probkv.scores"] == "maths" and layers["probkv.hf.cache"] == "hf"
@@ -145,10 +161,11 @@ def test_no_two_layers_share_a_module_name():
 
 
 def test_no_forbidden_import_statements():
-    """Every import statement of the maths and policies layers, lazy ones included."""
+    """Every import statement of the maths, policies, evaluation, experiments and training
+    layers, lazy ones included."""
     bad = []
     for module in MODULES:
-        forbidden = FORBIDDEN.get(layer(module), ())
+        forbidden = FORBIDDEN.get(layer(module), ()) + FORBIDDEN_ABOVE.get(layer(module), ())
         bad += [
             f"{module} imports {name}" for name in imports(module) if name.startswith(forbidden)
         ]
@@ -205,10 +222,12 @@ def registry_uses(module: str) -> list[str]:
 
 
 def test_evaluation_never_touches_the_attention_registry():
-    """The evaluation and CLI use the integration's attention function through probkv.hf; only
-    probkv.hf registers functions or switches a model's attention implementation."""
-    evaluation = [m for m in MODULES if layer(m) in ("eval", "cli", "maths", "policies")]
-    assert "probkv.eval.attention_error" in evaluation
+    """The evaluation, experiments, training and CLI use the integration's attention function
+    through probkv.hf; only probkv.hf registers functions or switches a model's attention
+    implementation."""
+    above = ("eval", "experiments", "training", "cli", "maths", "policies")
+    evaluation = [m for m in MODULES if layer(m) in above]
+    assert "probkv.experiments.attention_error" in evaluation
     assert [use for m in evaluation for use in registry_uses(m)] == []
     assert registry_uses("probkv.hf.model")  # the check does see the integration's own use
 
@@ -293,3 +312,18 @@ def test_only_the_cli_reads_argparse():
     ]
     assert by_name == []
     assert "argparse" in imports("probkv.cli.main")  # the check does see an import of argparse
+
+
+def source_lines(prefix: str) -> int:
+    return sum(
+        len(path.read_text(encoding="utf-8").splitlines())
+        for module, path in MODULES.items()
+        if module == prefix or module.startswith(prefix + ".")
+    )
+
+
+def test_the_evaluation_harness_is_under_a_quarter_of_the_source():
+    """Issue 41: ``probkv.eval`` holds the harness only (data, tasks, runner, store, scoring,
+    summary, its plots); experiments and training live in their own packages."""
+    share = source_lines("probkv.eval") / source_lines("probkv")
+    assert 0 < share < 0.25, f"probkv.eval is {share:.1%} of probkv's source lines"

@@ -11,8 +11,9 @@ import torch
 
 from probkv.cli import eval_commands as commands
 from probkv.cli import main as cli
-from probkv.eval import demo, generate_examples, write_examples
+from probkv.eval import generate_examples, write_examples
 from probkv.eval.store import CONFIG_FILE, RESULTS_FILE, read_results
+from probkv.experiments import demo
 from probkv.models.testing import tiny_tokenizer
 
 torch.set_num_threads(1)

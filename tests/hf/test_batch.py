@@ -248,7 +248,7 @@ def test_smollm2_batch_equals_alone(smollm2, method):
     """The real model: per sequence, the same greedy tokens and kept entries as alone."""
     model, tokenizer = smollm2
     prepare_model(model)
-    from probkv.eval.long_decode import prose_text
+    from probkv.experiments.long_decode import prose_text
 
     ids = tokenizer(prose_text(400, seed=1), return_tensors="pt").input_ids[0]
     seqs = [ids[:160], ids[40:150], ids[80:210]]

@@ -251,7 +251,7 @@ def test_smollm2_budgeted_batch_equals_alone(smollm2, method, stages):
     (``kvzap``, a score fixed per entry, with SmolLM2's shipped scorer)."""
     model, tokenizer = smollm2
     prepare_model(model)
-    from probkv.eval.long_decode import prose_text
+    from probkv.experiments.long_decode import prose_text
 
     ids = tokenizer(prose_text(400, seed=1), return_tensors="pt").input_ids[0]
     seqs = [ids[:160], ids[40:70], ids[80:210]]  # 30 < max_entries=48

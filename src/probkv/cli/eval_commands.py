@@ -3,7 +3,7 @@
 - ``probkv eval``: :func:`probkv.eval.runner.run_eval` (see that module for the files it
   writes, resuming, and the decisions on ``full``, the win score and question-aware eviction).
 - ``probkv plot PATH``: the figures of a run folder, or of an attention-error JSON file.
-- ``probkv demo``: :mod:`probkv.eval.demo`.
+- ``probkv demo``: :mod:`probkv.experiments.demo`.
 
 The handlers import the modules that load transformers (the runner, the demo) or matplotlib
 (the plots) when they run, so that ``probkv --help`` loads neither.
@@ -33,7 +33,7 @@ from probkv.eval.summary import summary_markdown
 from probkv.eval.tasks import TASK_NAMES
 from probkv.models import DEFAULT_MODEL
 
-# Defaults of `probkv demo` (equal to probkv.eval.demo's; see add_commands).
+# Defaults of `probkv demo` (equal to probkv.experiments.demo's; see add_commands).
 DEMO_OUT = "demo-out"
 DEMO_WORKERS = 2
 DEMO_PER_TASK = 3
@@ -288,8 +288,8 @@ def run_plot_command(args: argparse.Namespace) -> int:
         check_output_folder(path if args.out is None else args.out, flag)
     elif path.is_file():
         check_output_file(path.with_suffix(".png") if args.out is None else args.out, flag)
-    from probkv.eval.attention_error_plot import plot_attention_error_file  # matplotlib
     from probkv.eval.plots import plot_run
+    from probkv.experiments.attention_error_plot import plot_attention_error_file  # matplotlib
 
     if path.is_dir():
         figures = plot_run(path, args.out)
@@ -299,7 +299,7 @@ def run_plot_command(args: argparse.Namespace) -> int:
             print(f"skipped {note}", file=sys.stderr)
         return 0
     if path.is_file():
-        from probkv.eval.long_decode_plot import is_long_decode, plot_long_decode_file
+        from probkv.experiments.long_decode_plot import is_long_decode, plot_long_decode_file
 
         if path.suffix == ".json" and is_long_decode(_read_json_quietly(path)):
             print(f"wrote {plot_long_decode_file(path, args.out)}")
@@ -320,9 +320,9 @@ def _read_json_quietly(path: Path):
 
 
 def run_demo_command(args: argparse.Namespace) -> int:
-    """``probkv demo``: run both settings, print the report (:func:`probkv.eval.demo.demo_report`:
+    """``probkv demo``: run both settings, print the report (:func:`probkv.experiments.demo.demo_report`:
     the answers-kept table first, where everything is, how to rerun one part)."""
-    from probkv.eval import demo  # loads transformers and matplotlib
+    from probkv.experiments import demo  # loads transformers and matplotlib
 
     start = time.perf_counter()
     try:

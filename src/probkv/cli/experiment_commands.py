@@ -2,9 +2,9 @@
 ``long-decode`` (registered in ``probkv.cli.main``).
 
 Each handler turns its arguments into the typed entry point of its experiment
-(:func:`probkv.eval.attention_error_run.run_attention_error`,
-:func:`probkv.eval.method_attention_error.run_task_attention_error`,
-:func:`probkv.eval.long_decode.run_long_decode`), which checks every input before the model
+(:func:`probkv.experiments.attention_error_run.run_attention_error`,
+:func:`probkv.experiments.method_attention_error.run_task_attention_error`,
+:func:`probkv.experiments.long_decode.run_long_decode`), which checks every input before the model
 loads and writes one JSON file ``{"header": {...}, "rows": [...]}`` (documented in the
 experiment's module; ``probkv plot`` draws it), and prints its table. The entry points that
 load transformers are imported when a handler runs, so ``probkv --help`` loads none.
@@ -28,9 +28,13 @@ from probkv.cli.args import (
     positive_int,
     ratio_list,
 )
-from probkv.eval import attention_error_run as ae_run
-from probkv.eval.attention_error import PREFILL_SCORES, PROMPT_FORMATS, WITH_REPLACEMENT_WEIGHTS
-from probkv.eval.method_attention_error import (
+from probkv.experiments import attention_error_run as ae_run
+from probkv.experiments.attention_error import (
+    PREFILL_SCORES,
+    PROMPT_FORMATS,
+    WITH_REPLACEMENT_WEIGHTS,
+)
+from probkv.experiments.method_attention_error import (
     TaskAttentionErrorRun,
     run_task_attention_error,
     validate_methods,
@@ -124,7 +128,7 @@ def add_task_attention_error(subparsers: argparse._SubParsersAction) -> None:
             "it), method, ratio and seed: evict the context through the integration, teacher "
             "force the question and the full model's greedy answer, and average the per-head "
             "attention error (S7, Eq. 11, compounded across layers and tokens) over the "
-            "question's and the answer's tokens. See probkv.eval.method_attention_error."
+            "question's and the answer's tokens. See probkv.experiments.method_attention_error."
         ),
     )
     parser.add_argument(
@@ -255,7 +259,7 @@ def run_task_attention_error_command(args: argparse.Namespace) -> int:
 
 def run_long_decode_command(args: argparse.Namespace) -> int:
     """``probkv long-decode``: run every method, write the JSON, print the summary."""
-    from probkv.eval.long_decode import LongDecodeConfig, run_long_decode  # transformers
+    from probkv.experiments.long_decode import LongDecodeConfig, run_long_decode  # transformers
 
     config = LongDecodeConfig(
         prompt_tokens=args.prompt_tokens,

@@ -1,7 +1,7 @@
 """The ``train-scorer`` subcommand (registered in ``probkv.cli.main``): train a kvzap scorer.
 
 ``probkv train-scorer --model NAME_OR_PATH --out FILE`` runs
-``probkv.eval.train_scorer.train_scorer`` (KVzip's reconstruction score as the teacher on
+``probkv.training.scorer.train_scorer`` (KVzip's reconstruction score as the teacher on
 contexts probkv generates, a ridge fit per layer) and writes the scorer file; the teacher
 statistics of each context go to ``--work`` (default ``FILE.work/``), so a rerun resumes.
 The handler imports the trainer (transformers) only when it runs.
@@ -71,8 +71,8 @@ def run_train_scorer(args: argparse.Namespace) -> int:
     import torch
 
     from probkv.eval.job import load_prepared_model
-    from probkv.eval.train_scorer import train_scorer
     from probkv.scores.surrogate import save_scorer
+    from probkv.training.scorer import train_scorer
 
     start = time.perf_counter()
     model, tokenizer = load_prepared_model(args.model, torch.get_num_threads(), args.dtype)

@@ -6,9 +6,9 @@ only the model-free parts: examples and their JSONL form (:mod:`.examples`, :mod
 (:mod:`.tasks`, :mod:`.haystack`), scorers (:mod:`.scorers`) and the win score / average total
 score (:mod:`.winscore`). The parts that run a model are imported from their modules:
 :mod:`.runner` (``run_eval``; ``probkv eval``; its parts: :mod:`.config`, :mod:`.plan`,
-:mod:`.store`, :mod:`.summary`, :mod:`.job`, :mod:`.workers`),
-:mod:`.attention_error` (``probkv attention-error``), :mod:`.plots` (``probkv plot``) and
-:mod:`.demo` (``probkv demo``).
+:mod:`.store`, :mod:`.summary`, :mod:`.job`, :mod:`.workers`) and :mod:`.plots` (``probkv
+plot`` of a run folder). The experiments built on it are in ``probkv.experiments``, the
+training of the kvzap scorers in ``probkv.training``, the command line in ``probkv.cli``.
 """
 
 from probkv.eval.data import load_examples

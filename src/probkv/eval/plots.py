@@ -13,8 +13,8 @@ From a run's summary (:func:`probkv.eval.summary.summarize`):
 - :func:`plot_compression_table`: target vs effective compression ratio, mean +- std over
   examples (the paper's Appendix F.2, Table 1), as a table image.
 
-The figure of an attention-error file is :mod:`probkv.eval.attention_error_plot`'s, that of
-a long-decode file :mod:`probkv.eval.long_decode_plot`'s; both draw with this module's
+The figure of an attention-error file is :mod:`probkv.experiments.attention_error_plot`'s, that of
+a long-decode file :mod:`probkv.experiments.long_decode_plot`'s; both draw with this module's
 helpers.
 
 :func:`plot_run` is what ``probkv plot`` calls on a run folder. Figures
@@ -42,38 +42,38 @@ from probkv.eval.summary import format_bytes, summarize
 from probkv.policies import parse_method
 
 DPI = 150
-_FONT = {"title": 12, "label": 11, "tick": 10, "legend": 9}
+FONT = {"title": 12, "label": 11, "tick": 10, "legend": 9}
 _REFERENCE_STYLE = {"color": "black", "linestyle": "--", "linewidth": 1.3}
 
 
-def _figure(width: float, height: float):
+def new_figure(width: float, height: float):
     fig = Figure(figsize=(width, height), dpi=DPI)
     FigureCanvasAgg(fig)
     return fig
 
 
-def _save(fig, path: str | os.PathLike[str]) -> Path:
+def save_figure(fig, path: str | os.PathLike[str]) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png", bbox_inches="tight")
     return path
 
 
-def _style_axes(ax, xlabel: str, ylabel: str) -> None:
-    ax.set_xlabel(xlabel, fontsize=_FONT["label"])
-    ax.set_ylabel(ylabel, fontsize=_FONT["label"])
-    ax.tick_params(labelsize=_FONT["tick"])
+def style_axes(ax, xlabel: str, ylabel: str) -> None:
+    ax.set_xlabel(xlabel, fontsize=FONT["label"])
+    ax.set_ylabel(ylabel, fontsize=FONT["label"])
+    ax.tick_params(labelsize=FONT["tick"])
     ax.grid(True, alpha=0.3)
 
 
-def _legend(ax, handles_count: int) -> None:
+def add_legend(ax, handles_count: int) -> None:
     if handles_count > 6:  # many entries: outside, to the right
-        ax.legend(fontsize=_FONT["legend"], loc="upper left", bbox_to_anchor=(1.02, 1.0))
+        ax.legend(fontsize=FONT["legend"], loc="upper left", bbox_to_anchor=(1.02, 1.0))
     else:
-        ax.legend(fontsize=_FONT["legend"], loc="best")
+        ax.legend(fontsize=FONT["legend"], loc="best")
 
 
-def _colors(n: int) -> list:
+def palette(n: int) -> list:
     cmap = colormaps["tab10" if n <= 10 else "tab20"]
     return [cmap(i % cmap.N) for i in range(n)]
 
@@ -104,14 +104,14 @@ def _eviction_methods(summary: Mapping[str, Any]) -> list[str]:
 
 def _method_colors(summary: Mapping[str, Any]) -> dict[str, Any]:
     methods = _eviction_methods(summary)
-    return dict(zip(methods, _colors(len(methods))))
+    return dict(zip(methods, palette(len(methods))))
 
 
 def _full_entry(entries: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
     return next((e for e in entries if e["method"] == FULL), None)
 
 
-def _ratio_axis(ax, ratios: Sequence[float]) -> None:
+def ratio_axis(ax, ratios: Sequence[float]) -> None:
     ax.set_xticks(list(ratios))
     ax.set_xticklabels([f"{r:g}" for r in ratios])
     lo, hi = min(ratios), max(ratios)
@@ -136,7 +136,7 @@ def _bars(ax, groups: Sequence[str], series: Sequence[tuple[str, Any, Sequence[f
         if len(kept) * n <= 24:  # value labels while they fit
             ax.bar_label(bars, fmt="%.2f", fontsize=8, padding=1)
     ax.set_xticks(range(len(groups)))
-    ax.set_xticklabels(groups, fontsize=_FONT["tick"])
+    ax.set_xticklabels(groups, fontsize=FONT["tick"])
     ax.set_ylim(0, 1.12)
 
 
@@ -158,13 +158,13 @@ def _single_ratio(entries: Sequence[Mapping[str, Any]]) -> float | None:
 
 def _ratio_bars(summary, path, group: str, series, ylabel: str, what: str) -> Path:
     """One group of bars (a run with a single ratio), ``series`` as :func:`_bars` takes it."""
-    fig = _figure(7.5, 4.6)
+    fig = new_figure(7.5, 4.6)
     ax = fig.add_subplot()
     _bars(ax, [group], series)
-    _style_axes(ax, "target compression ratio (fraction evicted)", ylabel)
-    ax.set_title(run_title(summary, what), fontsize=_FONT["title"])
-    _legend(ax, 99)  # outside: bars fill the axes
-    return _save(fig, path)
+    style_axes(ax, "target compression ratio (fraction evicted)", ylabel)
+    ax.set_title(run_title(summary, what), fontsize=FONT["title"])
+    add_legend(ax, 99)  # outside: bars fill the axes
+    return save_figure(fig, path)
 
 
 def _ratio_lines(
@@ -172,7 +172,7 @@ def _ratio_lines(
 ) -> Path:
     """One line per eviction method through ``points(method)`` (``(ratio, value)`` pairs),
     ``reference`` dashed as ``full``."""
-    fig = _figure(7.5, 4.6)
+    fig = new_figure(7.5, 4.6)
     ax = fig.add_subplot()
     count = 0
     if reference is not None:
@@ -183,12 +183,12 @@ def _ratio_lines(
         if pts:
             ax.plot(*zip(*pts), marker="o", color=color, label=method, linewidth=1.8)
             count += 1
-    _ratio_axis(ax, ratios)
+    ratio_axis(ax, ratios)
     ax.set_ylim(-0.03, 1.03)
-    _style_axes(ax, "target compression ratio r (fraction evicted)", ylabel)
-    ax.set_title(run_title(summary, f"{what} vs compression"), fontsize=_FONT["title"])
-    _legend(ax, count)
-    return _save(fig, path)
+    style_axes(ax, "target compression ratio r (fraction evicted)", ylabel)
+    ax.set_title(run_title(summary, f"{what} vs compression"), fontsize=FONT["title"])
+    add_legend(ax, count)
+    return save_figure(fig, path)
 
 
 def plot_scores(summary: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
@@ -223,19 +223,19 @@ def plot_scores_by_task(summary: Mapping[str, Any], path: str | os.PathLike[str]
     single = _single_ratio(entries)
     if single is not None:
         by_method = {e["method"]: e["task_scores"] for e in entries}
-        fig = _figure(max(7.5, 1.1 * len(tasks) * (len(by_method) ** 0.5) + 3), 4.8)
+        fig = new_figure(max(7.5, 1.1 * len(tasks) * (len(by_method) ** 0.5) + 3), 4.8)
         ax = fig.add_subplot()
         series = _series(summary, lambda m: [by_method.get(m, {}).get(t) for t in tasks])
         _bars(ax, [f"{t}\n({summary['tasks'][t]} ex.)" for t in tasks], series)
-        _style_axes(ax, "task", "mean score")
-        ax.set_title(run_title(summary, f"Score per task, r = {single:g}"), fontsize=_FONT["title"])
-        _legend(ax, 99)
-        return _save(fig, path)
+        style_axes(ax, "task", "mean score")
+        ax.set_title(run_title(summary, f"Score per task, r = {single:g}"), fontsize=FONT["title"])
+        add_legend(ax, 99)
+        return save_figure(fig, path)
     colors = _method_colors(summary)
     ratios = sorted({e["ratio"] for e in entries if e["method"] != FULL}) or [0.0]
     ncols = min(3, len(tasks))
     nrows = math.ceil(len(tasks) / ncols)
-    fig = _figure(4.2 * ncols + 1.8, 3.3 * nrows + 0.9)
+    fig = new_figure(4.2 * ncols + 1.8, 3.3 * nrows + 0.9)
     axes = [fig.add_subplot(nrows, ncols, i + 1) for i in range(len(tasks))]
     full = _full_entry(entries)
     for ax, task in zip(axes, tasks):
@@ -249,17 +249,17 @@ def plot_scores_by_task(summary: Mapping[str, Any], path: str | os.PathLike[str]
             )
             if pts:
                 ax.plot(*zip(*pts), marker="o", color=color, label=method, linewidth=1.6)
-        _ratio_axis(ax, ratios)
+        ratio_axis(ax, ratios)
         ax.set_ylim(-0.03, 1.03)
-        _style_axes(ax, "ratio r", "score")
-        ax.set_title(f"{task} ({summary['tasks'][task]} ex.)", fontsize=_FONT["label"])
+        style_axes(ax, "ratio r", "score")
+        ax.set_title(f"{task} ({summary['tasks'][task]} ex.)", fontsize=FONT["label"])
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(
-        handles, labels, fontsize=_FONT["legend"], loc="upper left", bbox_to_anchor=(1.0, 0.95)
+        handles, labels, fontsize=FONT["legend"], loc="upper left", bbox_to_anchor=(1.0, 0.95)
     )
-    fig.suptitle(run_title(summary, "Score per task vs compression"), fontsize=_FONT["title"])
+    fig.suptitle(run_title(summary, "Score per task vs compression"), fontsize=FONT["title"])
     fig.tight_layout()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_win_scores(summary: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
@@ -354,7 +354,7 @@ def plot_answers_kept(
             "score on the same examples (run `full` with the other methods)"
         )
     scores = list(dict.fromkeys(parse_method(m, 0.5).score for m in methods))
-    score_color = dict(zip(scores, _colors(len(scores))))
+    score_color = dict(zip(scores, palette(len(scores))))
     shift = {m: 0.009 * (i - (len(methods) - 1) / 2) for i, m in enumerate(methods)}
     fig = Figure(figsize=(4.6 * len(panels) + 2.6, 3.9), dpi=dpi)
     FigureCanvasAgg(fig)
@@ -383,12 +383,12 @@ def plot_answers_kept(
                 linewidth=1.8,
             )
             handles.setdefault(m, line)
-        _ratio_axis(ax, ratios)
+        ratio_axis(ax, ratios)
         ax.set_ylim(-0.03, 1.05)
         ax.yaxis.set_major_formatter(PercentFormatter(1.0))
-        _style_axes(ax, "target compression ratio r (fraction evicted)", "")
-        ax.set_title(panel_title, fontsize=_FONT["label"])
-    axes[0].set_ylabel("share of the full cache's answers kept", fontsize=_FONT["label"])
+        style_axes(ax, "target compression ratio r (fraction evicted)", "")
+        ax.set_title(panel_title, fontsize=FONT["label"])
+    axes[0].set_ylabel("share of the full cache's answers kept", fontsize=FONT["label"])
     fig.legend(
         [handles[m] for m in [FULL, *methods] if m in handles],
         [
@@ -396,14 +396,14 @@ def plot_answers_kept(
             for m in [FULL, *methods]
             if m in handles
         ],
-        fontsize=_FONT["legend"],
+        fontsize=FONT["legend"],
         loc="center left",
         bbox_to_anchor=(1.0, 0.5),
     )
     if title:
-        fig.suptitle(title, fontsize=_FONT["title"])
+        fig.suptitle(title, fontsize=FONT["title"])
     fig.tight_layout()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def varies_by_layer(method: str) -> bool:
@@ -440,9 +440,9 @@ def plot_layer_ratios(
         )
     ncols = min(2, len(chosen))
     nrows = math.ceil(len(chosen) / ncols)
-    fig = _figure(6.2 * ncols + 1.6, 3.8 * nrows + 0.9)
+    fig = new_figure(6.2 * ncols + 1.6, 3.8 * nrows + 0.9)
     ratios = sorted({item["ratio"] for item in layers if item["method"] in chosen})
-    colors = dict(zip(ratios, _colors(len(ratios))))
+    colors = dict(zip(ratios, palette(len(ratios))))
     for k, method in enumerate(chosen):
         ax = fig.add_subplot(nrows, ncols, k + 1)
         for item in sorted((i for i in layers if i["method"] == method), key=lambda i: i["ratio"]):
@@ -462,15 +462,15 @@ def plot_layer_ratios(
             ax.axhline(item["ratio"], color=color, linestyle=":", linewidth=1)
         ax.set_ylim(-0.03, 1.03)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        _style_axes(ax, "layer", "effective compression ratio")
-        ax.set_title(method, fontsize=_FONT["label"])
-        ax.legend(fontsize=_FONT["legend"], loc="best", title="target", title_fontsize=9)
+        style_axes(ax, "layer", "effective compression ratio")
+        ax.set_title(method, fontsize=FONT["label"])
+        ax.legend(fontsize=FONT["legend"], loc="best", title="target", title_fontsize=9)
     fig.suptitle(
         run_title(summary, "Per-layer effective compression (dotted: target r)"),
-        fontsize=_FONT["title"],
+        fontsize=FONT["title"],
     )
     fig.tight_layout()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def compression_rows(summary: Mapping[str, Any]) -> list[list[str]]:
@@ -494,7 +494,7 @@ def plot_compression_table(summary: Mapping[str, Any], path: str | os.PathLike[s
     rows = compression_rows(summary)
     header = ["method", "target r", "effective r (mean ± std)", "cache", "examples"]
     width = max(8.0, 0.09 * max(len(r[0]) for r in rows) + 6.0)
-    fig = _figure(width, 0.3 * (len(rows) + 1) + 0.7)
+    fig = new_figure(width, 0.3 * (len(rows) + 1) + 0.7)
     ax = fig.add_subplot()
     ax.axis("off")
     table = ax.table(cellText=rows, colLabels=header, loc="center", cellLoc="center")
@@ -508,9 +508,9 @@ def plot_compression_table(summary: Mapping[str, Any], path: str | os.PathLike[s
             cell.set_facecolor("#e8e8e8")
     ax.set_title(
         run_title(summary, "Target vs effective compression ratio (Appendix F.2)"),
-        fontsize=_FONT["title"],
+        fontsize=FONT["title"],
     )
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 # -- whole runs ------------------------------------------------------------------------------------

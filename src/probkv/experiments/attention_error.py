@@ -49,7 +49,7 @@ own estimator (``weights`` and ``sampler`` are ``None`` where the estimator has 
 have neither, uncorrected rows have no weights; pps weights are ``"pps"``, ``1 / P_i``).
 
 Prompts (:class:`AttentionPrompt`, the ``paper`` and ``chat`` formats) are built in
-:mod:`probkv.eval.attention_prompts` and re-exported here.
+:mod:`probkv.experiments.attention_prompts` and re-exported here.
 
 Capture: ``probkv.hf.capture_attention`` runs one ordinary forward of the prepared model with a
 recorder that probkv's own attention function fills with every layer's real tensors (no
@@ -58,7 +58,6 @@ forward hooks, no re-projection, no other attention implementation).
 
 from __future__ import annotations
 
-import importlib
 import math
 import statistics
 from collections.abc import Callable, Sequence
@@ -76,7 +75,7 @@ from probkv._checks import (
     check_token_ids,
 )
 from probkv.estimation.selection import RaggedSelection
-from probkv.eval.attention_prompts import (
+from probkv.experiments.attention_prompts import (
     PROMPT_FORMATS,
     AttentionPrompt,
     decode_tokens,
@@ -100,14 +99,7 @@ if TYPE_CHECKING:
 
 # The integration (probkv.hf: capture, ProbKVCache, compress) imports transformers, which takes
 # seconds, and ``probkv --help`` imports this module for its constants: the functions that run a
-# model import probkv.hf when called, and its capture is re-exported on first use.
-_FROM_INTEGRATION = ("LayerCapture", "capture_attention")
-
-
-def __getattr__(name: str):
-    if name in _FROM_INTEGRATION:
-        return getattr(importlib.import_module("probkv.hf"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# model import probkv.hf when called.
 
 
 __all__ = [

@@ -1,11 +1,11 @@
 """One run of the attention-error experiment (``probkv attention-error``, S7), typed.
 
 :class:`AttentionErrorRun` holds what a run measures (the estimators of
-:func:`probkv.eval.attention_error.measure_attention_error`) and on which prompt;
+:func:`probkv.experiments.attention_error.measure_attention_error`) and on which prompt;
 :func:`run_attention_error` checks everything the run was given before the model loads (an
 unwritable output, a prompt past the model's positions), measures and writes one JSON file
 ``{"header": {...}, "rows": [...]}`` (the rows and every number's meaning are documented in
-:mod:`probkv.eval.attention_error` and repeated in the header's ``definitions``).
+:mod:`probkv.experiments.attention_error` and repeated in the header's ``definitions``).
 ``probkv plot`` draws them.
 """
 
@@ -16,9 +16,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from probkv.eval import attention_error as ae
 from probkv.eval.outputs import check_output_file, write_json
-from probkv.eval.paper_prompt import PAPER_QUESTION, PAPER_TEXT
+from probkv.experiments import attention_error as ae
+from probkv.experiments.paper_prompt import PAPER_QUESTION, PAPER_TEXT
 from probkv.models.dtypes import DEFAULT_DTYPE
 
 #: The default ratios and weight temperatures of a run (``probkv attention-error``'s).

@@ -1,4 +1,4 @@
-"""Attention error of whole methods on task examples (probkv.eval.method_attention_error, S7)."""
+"""Attention error of whole methods on task examples (probkv.experiments.method_attention_error, S7)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from probkv.eval import attention_error as ae
-from probkv.eval import method_attention_error as mae
-from probkv.hf import RepeatPrompt, compress, prepare_model
+from probkv.experiments import attention_error as ae
+from probkv.experiments import method_attention_error as mae
+from probkv.hf import RepeatPrompt, capture_attention, compress, prepare_model
 from probkv.models.testing import save_tiny_model_folder, tiny_model
 from probkv.policies import parse_method
 
@@ -36,7 +36,7 @@ NUM_FED = 4
 
 
 def reference_outputs(model, layers):
-    captures = ae.capture_attention(model, CONTEXT + DECODE, keep_tensors=False)
+    captures = capture_attention(model, CONTEXT + DECODE, keep_tensors=False)
     return [captures[i].output[:, T:] for i in layers]
 
 
@@ -46,7 +46,7 @@ def one_token_at_a_time(model, policy, layers, reference) -> torch.Tensor:
     cache = compress(model, torch.tensor([CONTEXT]), policy, repeat_prompt=REPEAT)
     out = []
     for n, token in enumerate(DECODE):
-        captures = ae.capture_attention(model, [token], cache=cache, keep_tensors=False)
+        captures = capture_attention(model, [token], cache=cache, keep_tensors=False)
         errors = [
             ae.head_errors(ref[:, n], captures[i].output[:, 0]) for ref, i in zip(reference, layers)
         ]

@@ -1,7 +1,7 @@
 """Attention error of whole methods on task examples (S7): does a ``prob:`` method's output
 stay closer to the full cache's than its top-k version's, on the prompts the task scores use?
 
-:mod:`probkv.eval.attention_error` measures estimators of one proposal on one prompt, from the
+:mod:`probkv.experiments.attention_error` measures estimators of one proposal on one prompt, from the
 prefill's own statistics. This module measures any method name that ``probkv eval`` takes
 (``kvzip``, ``prob:kvzip/core=0.75``, ``snapkv``, ...) on the examples ``probkv eval`` runs,
 through the same integration path as the task scores:
@@ -40,10 +40,10 @@ from pathlib import Path
 import torch
 
 from probkv._checks import check_positive_int, check_ratio, check_token_ids
-from probkv.eval.attention_error import evicting_layers
 from probkv.eval.config import RunConfig
 from probkv.eval.outputs import check_output_file, write_json
 from probkv.eval.winscore import sign_test_p
+from probkv.experiments.attention_error import evicting_layers
 from probkv.policies import (
     EvictionPolicy,
     FullCache,
@@ -295,9 +295,9 @@ def run_task_attention_error(
     """``probkv task-attention-error``: load the model and the run's examples (split as
     ``probkv eval`` splits them), measure every example, write ``{"header", "rows",
     "summary"}`` to ``run.out`` (checked before the model loads)."""
-    from probkv.eval.attention_prompts import AttentionPrompt, decode_tokens
     from probkv.eval.job import job_prompt_ids, split_prompt
     from probkv.eval.plan import load_run_examples
+    from probkv.experiments.attention_prompts import AttentionPrompt, decode_tokens
     from probkv.hf import prepare_model, repeat_prompt  # transformers: only when a run starts
     from probkv.models import load_model, max_positions
     from probkv.models.dtypes import MODEL_DTYPES, resolve_dtype_name

@@ -6,7 +6,7 @@ tokenized text, ``d_1`` = the first token of the question, then the rest of the 
 the full-cache model's greedy continuation); the ``chat`` format puts text and question in the
 chat template with the assistant turn opened, and ``d_1..d_N`` are the full-cache model's
 greedy answer (end-of-sequence suppressed so there are exactly ``N``). The experiment itself
-is :mod:`probkv.eval.attention_error`.
+is :mod:`probkv.experiments.attention_error`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from probkv._checks import check_choice, check_positive_int
 from probkv.eval import haystack
-from probkv.eval.paper_prompt import PAPER_QUESTION, PAPER_TEXT
+from probkv.experiments.paper_prompt import PAPER_QUESTION, PAPER_TEXT
 from probkv.models import chat_prompt_ids
 
 PROMPT_FORMATS = ("paper", "chat")
@@ -69,7 +69,7 @@ def text_prompt(
 
 
 def paper_prompt(tokenizer, *, format: str = "paper") -> AttentionPrompt:
-    """The paper's Appendix E text and question (:mod:`probkv.eval.paper_prompt`)."""
+    """The paper's Appendix E text and question (:mod:`probkv.experiments.paper_prompt`)."""
     return text_prompt(tokenizer, PAPER_TEXT, PAPER_QUESTION, format=format, source="paper")
 
 

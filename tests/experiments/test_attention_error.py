@@ -1,4 +1,4 @@
-"""The attention-error experiment (probkv.eval.attention_error, S7, S9; paper Eq. 11)."""
+"""The attention-error experiment (probkv.experiments.attention_error, S7, S9; paper Eq. 11)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import probkv.hf.eviction as eviction_module
 from probkv import estimation
 from probkv.cli.args import float_list
 from probkv.cli.experiment_commands import format_table
-from probkv.eval import attention_error as ae
-from probkv.eval.paper_prompt import PAPER_QUESTION, PAPER_TEXT
-from probkv.hf import compress, observe, prepare_model
+from probkv.experiments import attention_error as ae
+from probkv.experiments.paper_prompt import PAPER_QUESTION, PAPER_TEXT
+from probkv.hf import LayerCapture, capture_attention, compress, observe, prepare_model
 from probkv.models.testing import save_tiny_model_folder, tiny_model, tiny_tokenizer
 from probkv.policies import ProbabilisticPolicy, TopKPolicy, parse_method
 
@@ -43,7 +43,7 @@ CONTEXT = token_ids(T, 0)
 DECODE = token_ids(4, 1)
 
 
-def dense_causal_attention(capture: ae.LayerCapture) -> torch.Tensor:
+def dense_causal_attention(capture: LayerCapture) -> torch.Tensor:
     """Slow reference: float64 causal softmax attention of every captured query row over the
     captured keys (GQA: query head h uses KV head h // g). -> [Hq, q, d_v]."""
     q, k, v = capture.query.double(), capture.key.double(), capture.value.double()
@@ -64,7 +64,7 @@ def test_captured_outputs_are_the_attention_of_the_captured_tensors(arch, reques
     """The capture run records the model's own attention: recomputing each evicted layer's
     causal attention from the captured post-RoPE q/k/v gives the captured outputs."""
     model = request.getfixturevalue(arch)
-    captures = ae.capture_attention(model, CONTEXT + DECODE)
+    captures = capture_attention(model, CONTEXT + DECODE)
     assert [c.layer_idx for c in captures] == list(range(model.config.num_hidden_layers))
     layers = ae.evicting_layers(model)
     assert layers == ([0, 1] if arch == "llama" else [1, 3])
@@ -81,7 +81,7 @@ def test_capture_leaves_the_forward_unchanged(llama):
     ids = torch.tensor([CONTEXT])
     before = llama.config._attn_implementation
     expected = llama(input_ids=ids, use_cache=False).logits
-    ae.capture_attention(llama, CONTEXT)
+    capture_attention(llama, CONTEXT)
     assert llama.config._attn_implementation == before
     assert torch.equal(llama(input_ids=ids, use_cache=False).logits, expected)
 
@@ -95,7 +95,7 @@ def test_capture_wraps_the_evicting_cache(llama):
     plain = compress(llama, torch.tensor(CONTEXT), policy)
     llama(input_ids=torch.tensor([DECODE[:1]]), cache=plain, use_cache=True)
     cache = compress(llama, torch.tensor(CONTEXT), policy)
-    captures = ae.capture_attention(llama, DECODE[:1], cache=cache, keep_tensors=False)
+    captures = capture_attention(llama, DECODE[:1], cache=cache, keep_tensors=False)
     assert all(c.query is None and c.output.shape == (4, 1, 16) for c in captures)
     assert cache.get_seq_length() == plain.get_seq_length() == T + 1
     step = torch.tensor([DECODE[1:2]])
@@ -107,7 +107,7 @@ def test_capture_refuses_an_unregistered_implementation():
     model = tiny_model("llama")
     model.set_attn_implementation("eager")
     with pytest.raises(ValueError, match="'eager'"):
-        ae.capture_attention(model, CONTEXT)
+        capture_attention(model, CONTEXT)
 
 
 # ------------------------------------------------------------------ per-layer decode output
@@ -116,7 +116,7 @@ def test_capture_refuses_an_unregistered_implementation():
 def test_decode_output_matches_algorithm_1_literally(llama):
     """Fast path (one softmax, -inf for evicted) vs the paper's Algorithm 1 written out
     (two normalisers, float64) for every query head, with a sampled weighted kept set."""
-    captures = ae.capture_attention(llama, CONTEXT + DECODE)
+    captures = capture_attention(llama, CONTEXT + DECODE)
     obs = [ae.observe(c, score="min-h", length=T, rank=r) for r, c in enumerate(captures)]
     policy = ProbabilisticPolicy(score="min-h", ratio=0.6, seed=1)  # pps: 1 / P weights
     for c, selection in zip(captures, ae.select(policy, obs)):
@@ -151,13 +151,13 @@ def test_step_one_of_the_lowest_layer_is_what_the_integration_computes(llama, po
     per-layer step-1 output (selection from captured tensors, S3/S4) must equal the real
     integration's (compress, then the first decode token): same kept set, weights, output."""
     prepare_model(llama)
-    captures = ae.capture_attention(llama, CONTEXT + DECODE[:1])
+    captures = capture_attention(llama, CONTEXT + DECODE[:1])
     first = captures[0]
     obs = ae.observe(first, score=policy.score, length=T, rank=0)
     (selection,) = ae.select(policy, [obs])
     ours = ae.decode_output(first, ae.prefix_log_weights(selection, T), T)
     cache = compress(llama, torch.tensor(CONTEXT), policy)
-    theirs = ae.capture_attention(llama, DECODE[:1], cache=cache, keep_tensors=False)[0]
+    theirs = capture_attention(llama, DECODE[:1], cache=cache, keep_tensors=False)[0]
     torch.testing.assert_close(ours, theirs.output[:, 0].float(), atol=1e-5, rtol=1e-5)
     assert cache.reports()[0].kept_per_head == selection.lengths.tolist()
 
@@ -199,7 +199,7 @@ def test_the_experiment_keeps_what_the_integration_keeps(arch, method, request, 
     copy.deepcopy(observed).evict(policy)
     by_observe = dict(applied)
 
-    captures = ae.capture_attention(model, CONTEXT + DECODE)
+    captures = capture_attention(model, CONTEXT + DECODE)
     layers = ae.evicting_layers(model)
     observations = [
         ae.observe(
@@ -224,7 +224,7 @@ def test_the_experiment_keeps_what_the_integration_keeps(arch, method, request, 
 def reference_first_step_mae(model, policy) -> float:
     """Slow reference of one step-1 number: per layer, per query head, Algorithm 1 literally
     (float64) for the estimate and plain softmax attention for ``o``; mean over all heads."""
-    captures = [ae.capture_attention(model, CONTEXT + DECODE[:1])[i] for i in [0, 1]]
+    captures = [capture_attention(model, CONTEXT + DECODE[:1])[i] for i in [0, 1]]
     errors = []
     for rank, c in enumerate(captures):
         obs = ae.observe(c, score=policy.score, length=T, rank=rank)

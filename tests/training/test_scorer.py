@@ -1,4 +1,4 @@
-"""Tests of probkv.eval.train_scorer and ``probkv train-scorer`` (S11), on a tiny model.
+"""Tests of probkv.training.scorer and ``probkv train-scorer`` (S11), on a tiny model.
 
 The training contexts never coincide with an evaluation's: their task seeds start at
 ``TRAIN_SEED_BASE``, above every seed an evaluation uses by default, and their prose seeds
@@ -15,15 +15,15 @@ import pytest
 import torch
 
 from probkv.cli.main import build_parser, main
-from probkv.eval import attention_prompts, demo
-from probkv.eval import train_scorer as ts
 from probkv.eval.config import RunConfig
 from probkv.eval.tasks import TASK_NAMES
 from probkv.eval.tasks.generate import generate_examples
+from probkv.experiments import attention_prompts, demo
 from probkv.hf import compress, prepare_model
 from probkv.models.testing import save_tiny_model_folder, tiny_model, tiny_tokenizer
 from probkv.policies import parse_method
 from probkv.scores import surrogate as sg
+from probkv.training import scorer as ts
 
 LENGTH = 700
 

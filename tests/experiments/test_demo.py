@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from probkv.cli.main import build_parser
-from probkv.eval import Example, demo, runner
+from probkv.eval import Example, runner
 from probkv.eval.config import RunConfig, config_identity
 from probkv.eval.plan import plan_units
 from probkv.eval.store import RESULTS_FILE, SUMMARY_MD, read_results
 from probkv.eval.summary import summarize
+from probkv.experiments import demo
 from probkv.models import DEFAULT_MODEL, load_model_config
 from probkv.models.testing import save_tiny_model_folder, tiny_scorer
 from probkv.scores import scorer_lookup

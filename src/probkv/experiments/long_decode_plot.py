@@ -11,8 +11,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from probkv.eval.long_decode import summarise
-from probkv.eval.plots import _colors, _figure, _legend, _save, _style_axes
+from probkv.eval.plots import add_legend, new_figure, palette, save_figure, style_axes
+from probkv.experiments.long_decode import summarise
 
 
 def is_long_decode(data: Any) -> bool:
@@ -27,9 +27,9 @@ def plot_long_decode(data: dict, path: str | os.PathLike[str]) -> Path:
         raise ValueError("no long-decode rows with a budget to plot")
     table = summarise(rows)
     methods = list(dict.fromkeys(r["method"] for r in table))
-    fig = _figure(7.0, 4.5)
+    fig = new_figure(7.0, 4.5)
     ax = fig.add_subplot(1, 1, 1)
-    for method, color in zip(methods, _colors(len(methods)), strict=True):
+    for method, color in zip(methods, palette(len(methods)), strict=True):
         points = sorted((r["budget"], r["nll_gap"]) for r in table if r["method"] == method)
         style = "-" if method.startswith("prob:") else "--"
         ax.plot(*zip(*points, strict=True), style, marker="o", color=color, label=method)
@@ -41,9 +41,9 @@ def plot_long_decode(data: dict, path: str | os.PathLike[str]) -> Path:
         f"N={header.get('tokens')}, K={header.get('every')}",
         fontsize=12,
     )
-    _style_axes(ax, "budget B (entries per KV head)", "NLL gap to the full cache (nats/token)")
-    _legend(ax, len(methods))
-    return _save(fig, path)
+    style_axes(ax, "budget B (entries per KV head)", "NLL gap to the full cache (nats/token)")
+    add_legend(ax, len(methods))
+    return save_figure(fig, path)
 
 
 def plot_long_decode_file(

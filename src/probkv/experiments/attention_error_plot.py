@@ -15,7 +15,7 @@ from typing import Any
 
 from matplotlib import colormaps
 
-from probkv.eval.plots import _FONT, _figure, _ratio_axis, _save, _style_axes
+from probkv.eval.plots import FONT, new_figure, ratio_axis, save_figure, style_axes
 
 _AE_REQUIRED = ("ratio", "estimator", "mae_mean", "mae_std")
 
@@ -106,7 +106,7 @@ def plot_attention_error(data: Any, path: str | os.PathLike[str]) -> Path:
     corrected = [k for k in keys if k[0] == "corrected"]
     ramp = colormaps["viridis"]
     shades = {k: ramp(0.05 + 0.8 * i / max(len(corrected) - 1, 1)) for i, k in enumerate(corrected)}
-    fig = _figure(6.4 * len(steps) + 2.6, 4.8)
+    fig = new_figure(6.4 * len(steps) + 2.6, 4.8)
     first_ax = None
     for j, step in enumerate(steps):
         ax = fig.add_subplot(1, len(steps), j + 1, sharey=first_ax)
@@ -135,12 +135,12 @@ def plot_attention_error(data: Any, path: str | os.PathLike[str]) -> Path:
             )
         if values and max(values) / min(values) > 20:
             ax.set_yscale("log")
-        _ratio_axis(ax, sorted({r["ratio"] for r in rows}))
-        _style_axes(ax, "compression ratio r (fraction evicted)", "attention MAE (mean over heads)")
-        ax.set_title(_step_title(step), fontsize=_FONT["label"])
+        ratio_axis(ax, sorted({r["ratio"] for r in rows}))
+        style_axes(ax, "compression ratio r (fraction evicted)", "attention MAE (mean over heads)")
+        ax.set_title(_step_title(step), fontsize=FONT["label"])
     handles, labels = first_ax.get_legend_handles_labels()
     fig.legend(
-        handles, labels, fontsize=_FONT["legend"], loc="upper left", bbox_to_anchor=(1.0, 0.9)
+        handles, labels, fontsize=FONT["legend"], loc="upper left", bbox_to_anchor=(1.0, 0.9)
     )
     prompt = header.get("prompt") or {}
     bits = [Path(str(header["model"])).name] if header.get("model") else []
@@ -152,10 +152,10 @@ def plot_attention_error(data: Any, path: str | os.PathLike[str]) -> Path:
     fig.suptitle(
         "Attention error vs compression (error bars: std over seeds)"
         + (f"\n{', '.join(bits)}" if bits else ""),
-        fontsize=_FONT["title"],
+        fontsize=FONT["title"],
     )
     fig.tight_layout()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_attention_error_file(

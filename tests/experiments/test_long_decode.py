@@ -1,4 +1,4 @@
-"""probkv.eval.long_decode and ``probkv long-decode`` on tiny models (S10.5, issue 12)."""
+"""probkv.experiments.long_decode and ``probkv long-decode`` on tiny models (S10.5, issue 12)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from probkv import models
 from probkv.cli import main as cli
-from probkv.eval.long_decode import LongDecodeConfig, long_decode, prose_text, summarise
+from probkv.experiments.long_decode import LongDecodeConfig, long_decode, prose_text, summarise
 from probkv.models.testing import tiny_model, write_tiny_gguf
 
 
