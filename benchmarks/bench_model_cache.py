@@ -25,8 +25,8 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from probkv import models
 from probkv.models import files as model_files
+from probkv.models import loading as models
 from probkv.models.dtypes import DTYPE_CHOICES, resolve_dtype
 
 

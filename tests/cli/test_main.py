@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from probkv import models
 from probkv.cli import main as cli
 from probkv.cli import model_commands
 from probkv.models import CACHE_ENV, DEFAULT_MODEL, ModelSpec
+from probkv.models import loading as models
 from probkv.models.testing import write_tiny_gguf
 
 
@@ -189,7 +189,7 @@ def test_prompts_past_the_default_models_positions_are_refused_before_it_loads(
     """The reported cases on the 8,192-position default model: a ~9,500-token `generate`
     prompt (it ran 47 s and printed an empty answer) and `attention-error --prompt-tokens
     100000` (still running after 300 s) are refused before any model loads."""
-    from probkv import models
+    from probkv.models import loading as models
 
     def refuse(*args, **kwargs):
         pytest.fail("the model was loaded")

@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from probkv import models
 from probkv.models import (
     CACHE_ENV,
     DEFAULT_MODEL,
@@ -38,6 +37,7 @@ from probkv.models import (
     sha256_of_parts,
 )
 from probkv.models import files as model_files
+from probkv.models import loading as models
 from probkv.models.testing import TINY_VOCAB_SIZE, tiny_model, tiny_tokenizer, write_tiny_gguf
 
 TEXT = "Grüße, KV cache! <|user|> 123"
@@ -246,7 +246,7 @@ def test_digests_are_remembered_only_for_settled_files(tmp_path, monkeypatch):
     assert sha256_of_parts([path]) == digest and len(hashed) == 2  # fresh: not remembered
     assert models._SHA_MEMO == {}
     later = time.time() + 2 * model_files.SETTLE_S
-    monkeypatch.setattr(model_files, "_now", lambda: later)
+    monkeypatch.setattr(model_files, "clock", lambda: later)
     assert sha256_of_parts([path]) == digest and len(hashed) == 3
     assert sha256_of_parts([path]) == digest and len(hashed) == 3  # settled: remembered
     st = path.stat()
@@ -414,7 +414,7 @@ def test_stale_partials_are_removed_but_live_ones_kept(cache, gguf_file):
 _CHILD = textwrap.dedent(
     """
     import sys, time, pathlib
-    from probkv import models
+    from probkv.models import loading as models
     if sys.argv[2] != "-":
         def stall(folder, *args, **kwargs):  # killed here: weights written, no manifest yet
             pathlib.Path(sys.argv[2]).write_text(str(folder))
@@ -555,7 +555,7 @@ def test_verification_is_remembered_until_a_file_changes(monkeypatch, cache, ggu
     model_files._VERIFIED.clear()
     # the conversion just wrote these files: seen from later, they have settled
     later = time.time() + 2 * model_files.SETTLE_S
-    monkeypatch.setattr(model_files, "_now", lambda: later)
+    monkeypatch.setattr(model_files, "clock", lambda: later)
     assert models.cache_state(gguf_file) == "cached"
     first = len(hashed)
     assert first == len(json.loads((good / MANIFEST_NAME).read_text())["sha256"])

@@ -31,11 +31,11 @@ from probkv.policies import (
     method_name,
     method_options,
     parse_method,
-    prob_designs,
+    prob_options,
 )
 from probkv.policies.base import check_fraction
 from probkv.policies.probabilistic import SEEDS
-from probkv.sampling import designs, sample_size
+from probkv.sampling import sample_size, span_designs
 from probkv.scores import FORCED_LOG_SCORE, SCORE_NAMES, needs_reconstruction
 from probkv.scores.observation import observe_layer
 from probkv.scores.proposals import FLOOR, max_pool_log_scores, proposal_from_log_scores
@@ -833,11 +833,11 @@ def test_spans_keep_a_heavy_run_whole():
     # the run's P as one unit (S10.3 capping of the policy's own proposal), within Z = 5
     # binomial standard errors; alone, each entry has P < 0.1, so all 7 are (almost) never kept
     pi = policy.proposal(obs).double()
-    design = designs.block_design(pi, budget(t, 0.95), 8, units="spans")
+    design = span_designs.block_design(pi, budget(t, 0.95), 8, units="spans")
     p_run = float(design.entry_inclusion[0, 20])
     assert (
         0.05 < p_run < 0.95
-        and float(designs.block_design(pi, budget(t, 0.95)).inclusion.max()) < 0.1
+        and float(span_designs.block_design(pi, budget(t, 0.95)).inclusion.max()) < 0.1
     )
     assert whole["entries"] == 0
     assert abs(whole["spans"] / 200 - p_run) <= 5 * math.sqrt(p_run * (1 - p_run) / 200)
@@ -888,7 +888,7 @@ def test_calibrated_selections_need_tensors_and_reference_queries():
 
 
 @dataclasses.dataclass(frozen=True)
-class Poisson(prob_designs.Design):
+class Poisson(prob_options.Design):
     """Poisson pps (docs/architecture.md's worked example): entry i kept independently with
     P_i = min(1, lam pi_i), sum P_i = share * (the head's budget after forced entries)."""
 
@@ -915,11 +915,11 @@ class Poisson(prob_designs.Design):
 
 def test_adding_a_design_is_one_class_in_one_module(monkeypatch):
     """A temporary sampler added as docs/architecture.md says (one class, one DESIGNS entry,
-    its option's default in DEFAULTS, all in probkv.policies.prob_designs) is a method name
+    its option's default in DEFAULTS, all in probkv.policies.prob_options) is a method name
     with its option, round-trips, refuses the other samplers' options and is refused by them,
     and draws with unbiased Horvitz-Thompson weights (5 standard errors over 400 seeds)."""
-    monkeypatch.setitem(prob_designs.DESIGNS, "poisson", Poisson)
-    monkeypatch.setitem(prob_designs.DEFAULTS, "share", {"*": 1.0, "kvzip": 0.5})
+    monkeypatch.setitem(prob_options.DESIGNS, "poisson", Poisson)
+    monkeypatch.setitem(prob_options.DEFAULTS, "share", {"*": 1.0, "kvzip": 0.5})
     policy = parse_method("prob:h2o/sampler=poisson/share=0.8", ratio=0.6)
     assert policy.design == Poisson(share=0.8) and policy.share == 0.8
     assert "share" in method_options("prob:h2o")
@@ -941,7 +941,7 @@ def test_adding_a_design_is_one_class_in_one_module(monkeypatch):
     f = torch.linspace(0.1, 2.0, 40, dtype=F64) ** 2
     totals = corrected_totals(policy, obs, f, range(400))
     assert abs(float(totals.mean()) - float(f.sum())) <= 5 * float(totals.std()) / 20
-    assert "poisson" not in prob_designs.DESIGNS or prob_designs.DESIGNS["poisson"] is Poisson
+    assert "poisson" not in prob_options.DESIGNS or prob_options.DESIGNS["poisson"] is Poisson
 
 
 def test_parts_refuse_options_that_change_nothing():
@@ -992,12 +992,12 @@ def test_seeds_outside_torch_range_are_refused_at_parse_time(digits):
 
 
 def test_defaults_live_in_one_table_and_docs_list_them():
-    """Every default of a prob: option is in prob_designs.DEFAULTS (the options of the parts
+    """Every default of a prob: option is in prob_options.DEFAULTS (the options of the parts
     and designs, scope, seed and sampler: nothing else, nothing missing), docs/methods.md's
     defaults table is exactly that table, and a global default scope needs the attention
     scale."""
     options = set(ProbabilisticPolicy.option_names())
-    assert set(prob_designs.DEFAULTS) == options
+    assert set(prob_options.DEFAULTS) == options
     rows = defaults_rows()
     text = (Path(__file__).parents[2] / "docs" / "methods.md").read_text()
     table = text.split("<!-- prob-defaults -->")[1]
@@ -1005,7 +1005,7 @@ def test_defaults_live_in_one_table_and_docs_list_them():
     assert listed == rows
     assert all(
         scores.on_attention_scale(s)
-        for s, scope in prob_designs.DEFAULTS["scope"].items()
+        for s, scope in prob_options.DEFAULTS["scope"].items()
         if s != "*" and scope == "global"
     )
 
@@ -1022,7 +1022,7 @@ def defaults_rows() -> list[str]:
         return str(value)
 
     rows = []
-    for option, table in prob_designs.DEFAULTS.items():
+    for option, table in prob_options.DEFAULTS.items():
         others = {}
         for key, value in table.items():
             if key == "*":
@@ -1038,21 +1038,21 @@ def test_each_part_checks_itself():
     """The parts cannot be built in a state that means nothing: bad values are refused by name
     and the one redundant spelling (tau = inf) becomes the canonical one (correct=False)."""
     with pytest.raises(ValueError, match=r"core must be in \[0, 1\]"):
-        prob_designs.Pps(core=2.0, block=8, order="random", units="blocks")
+        prob_options.Pps(core=2.0, block=8, order="random", units="blocks")
     with pytest.raises(ValueError, match="weights must be one of 'counts', 'inclusion'"):
-        prob_designs.WithReplacement(weights="pps")
+        prob_options.WithReplacement(weights="pps")
     with pytest.raises(ValueError, match="tau=2 with correct=false"):
-        prob_designs.Weighting(correct=False, tau=2, calibrate=math.inf)
+        prob_options.Weighting(correct=False, tau=2, calibrate=math.inf)
     with pytest.raises(ValueError, match=r"calibrate=0\.1 calibrates the correction's weights"):
-        prob_designs.Weighting(correct=False, tau=math.inf, calibrate=0.1)
-    assert prob_designs.Weighting(True, math.inf, math.inf) == prob_designs.Weighting(
+        prob_options.Weighting(correct=False, tau=math.inf, calibrate=0.1)
+    assert prob_options.Weighting(True, math.inf, math.inf) == prob_options.Weighting(
         False, math.inf, math.inf
     )
     with pytest.raises(ValueError, match=r"uniform_mix must be in \(0, 1\]"):
-        prob_designs.Proposal(proposal_tau=1.0, uniform_mix=0.0, pool=1, recent=0.0)
+        prob_options.Proposal(proposal_tau=1.0, uniform_mix=0.0, pool=1, recent=0.0)
     policy = ProbabilisticPolicy(
         score="h2o",
-        design=prob_designs.WithReplacement("counts"),
-        weighting=prob_designs.Weighting(True, 2.0, math.inf),
+        design=prob_options.WithReplacement("counts"),
+        weighting=prob_options.Weighting(True, 2.0, math.inf),
     )
     assert policy == parse_method("prob:h2o/sampler=with_replacement/weights=counts/tau=2")

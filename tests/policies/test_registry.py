@@ -22,7 +22,7 @@ from probkv.policies import (
     parse_method,
     top_k_versions,
 )
-from probkv.policies.prob_designs import default
+from probkv.policies.prob_options import default
 from probkv.scores import SCORE_NAMES, needs_reconstruction, on_attention_scale
 from probkv.scores.reconstruction import kvzip_plus
 

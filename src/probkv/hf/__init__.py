@@ -7,11 +7,11 @@ registered at import time: ``prepare_model`` registers (idempotently) and switch
 Verified with transformers==5.24.0 (pinned).
 """
 
+from probkv.hf.api import answer, compress, generate, observe, pad_left
 from probkv.hf.cache import EvictingLayer, LayerReport, LayerState, ProbKVCache
 from probkv.hf.capture import AttentionRecorder, LayerCapture, capture_attention
 from probkv.hf.model import SUPPORTED_MODEL_TYPES, check_model_supported, prepare_model
 from probkv.hf.reconstruct import RepeatPrompt, reconstruct, repeat_prompt
-from probkv.hf.workflow import answer, compress, generate, observe, pad_left
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",

@@ -2,7 +2,7 @@
 
 transformers calls ``cache.update(key, value, layer_idx, kwargs=kwargs)`` and then the
 registered attention function with ``**kwargs``; ``EvictingLayer.update`` puts itself into that
-dict, so this function receives the layer as ``probkv_layer`` (``probkv.hf.channel``; older
+dict, so this function receives the layer as ``probkv_layer`` (``probkv.hf.layer_handoff``; older
 transformers: a per-thread slot). Layers that are not evicting
 (Gemma-3's sliding-window layers, or a plain ``DynamicCache``) get transformers' own SDPA path.
 
@@ -31,7 +31,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from probkv.hf import channel
+from probkv.hf import layer_handoff
 from probkv.hf.cache import EvictingLayer, LayerState
 from probkv.hf.decode_budget import (
     after_decode_attention,
@@ -66,7 +66,7 @@ def probkv_attention_forward(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The ``"probkv"`` attention implementation. Returns ``([B, q, Hq, d_v], weights)``."""
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    probkv_layer = channel.take(module, probkv_layer)
+    probkv_layer = layer_handoff.take(module, probkv_layer)
     if probkv_layer is None:
         out, weights = sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs

@@ -35,7 +35,7 @@ from transformers.cache_utils import (
 
 from probkv._checks import check_positive_int
 from probkv.estimation.selection import RaggedSelection
-from probkv.hf import accounting, channel, guards
+from probkv.hf import accounting, guards, layer_handoff
 from probkv.hf.decode_budget import (
     DecodeBudget,
     LayerDecodeState,
@@ -185,7 +185,7 @@ class EvictingLayer(CacheLayerMixin):
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
             self.tail.append(key_states, value_states, self._tail_capacity)
-        channel.hand_over(self, kwargs)  # to the attention function (probkv.hf.channel)
+        layer_handoff.hand_over(self, kwargs)  # to the attention function (probkv.hf.layer_handoff)
         self._awaiting_attention = True
         if self.sequence_layers is not None:
             return key_states, value_states  # probkv's attention reads the sequences' own

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from probkv.hf.api import as_token_ids
 from probkv.hf.model import is_prepared
-from probkv.hf.workflow import as_token_ids
 
 CAPTURE_KWARG = "probkv_capture"
 

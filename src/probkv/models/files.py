@@ -48,14 +48,14 @@ _BLOCK = 1 << 20
 SETTLE_S = 2.0
 
 #: The wall clock :func:`settled` compares timestamps with (tests replace it).
-_now = time.time
+clock = time.time
 
 
 def settled(st: os.stat_result, now: float | None = None) -> bool:
     """Whether a file with stat ``st``, examined at ``now`` (default: the clock), last
     changed (mtime and ctime) more than :data:`SETTLE_S` seconds earlier, so that a digest
     keyed on its stat can be remembered (module docstring)."""
-    now = _now() if now is None else now
+    now = clock() if now is None else now
     return max(st.st_mtime_ns, st.st_ctime_ns) < (now - SETTLE_S) * 1e9
 
 
@@ -190,7 +190,7 @@ def _identity(
     folder: Path, names: Sequence[str]
 ) -> tuple[tuple[tuple[str, int, int, int, int], ...], bool]:
     """Every file's stat identity, and whether all of them are :func:`settled`."""
-    out, all_settled, now = [], True, _now()
+    out, all_settled, now = [], True, clock()
     for name in names:
         st = (folder / name).stat()
         out.append((name, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino))

@@ -6,7 +6,7 @@ each kept entry an importance log-weight (S4) that the attention adds to its log
 later decode step. Entries a score forces (SnapKV's observation window) form a take-all
 stratum: always kept, weight 1, and the proposal covers the other entries.
 
-A policy is made of parts that check themselves (``probkv.policies.prob_designs``): the
+A policy is made of parts that check themselves (``probkv.policies.prob_options``): the
 sampling design (``sampler``: with replacement, or pps with its span-preserving options), the
 weighting and the proposal. Method names spell them as flat options (``prob:h2o/tau=2/core=0``);
 ``ProbabilisticPolicy(score=..., tau=2, core=0)`` takes the same options, and reads them back
@@ -27,7 +27,7 @@ from probkv import budgets, scores
 from probkv._checks import check_choice
 from probkv.estimation import calibration
 from probkv.estimation.selection import RaggedSelection
-from probkv.policies import model_wide, prob_designs
+from probkv.policies import model_scope, prob_options
 from probkv.policies.base import (
     EvictionPolicy,
     LayerObservation,
@@ -40,7 +40,7 @@ from probkv.policies.base import (
     validate_common,
     with_recent,
 )
-from probkv.policies.prob_designs import DESIGNS, SCOPES, Design, Proposal, Stratum, Weighting
+from probkv.policies.prob_options import DESIGNS, SCOPES, Design, Proposal, Stratum, Weighting
 from probkv.sampling import model_blocks
 from probkv.scores import proposals
 
@@ -73,9 +73,9 @@ class ProbabilisticPolicy(EvictionPolicy):
     samples / one pps scale for all heads of all layers, S3, S9; with pps, scores on the
     attention scale weigh each head's proposal by its attention mass, the others every head the
     same); ``seed`` (same seed, same kept set); and the parts ``design`` (``sampler``),
-    ``weighting``, ``proposal_options`` (``probkv.policies.prob_designs``: what each option
+    ``weighting``, ``proposal_options`` (``probkv.policies.prob_options``: what each option
     means). ``ProbabilisticPolicy(score=..., ratio=..., **options)`` builds the parts from the
-    options of a method name; options not given take ``prob_designs.DEFAULTS`` for the score and
+    options of a method name; options not given take ``prob_options.DEFAULTS`` for the score and
     the sampler; the options of another sampler, and options that could change nothing, are
     refused by name. ``dataclasses.replace(policy, tau=2)`` changes one option.
 
@@ -132,18 +132,18 @@ class ProbabilisticPolicy(EvictionPolicy):
                 f"{', '.join(self.option_names())}"
             )
         if scope is None:
-            scope = prob_designs.default("scope", score, options.get("sampler") or "pps")
+            scope = prob_options.default("scope", score, options.get("sampler") or "pps")
         check_choice(scope, SCOPES, "scope")
-        if scope == model_wide.SCOPE and design is None and options.get("sampler", "pps") == "pps":
+        if scope == model_scope.SCOPE and design is None and options.get("sampler", "pps") == "pps":
             # model-wide units are blocks of positions, vLLM's 16 unless told (S11)
             options.setdefault("units", "blocks")
-            options.setdefault("block", model_wide.DEFAULT_BLOCK)
+            options.setdefault("block", model_scope.DEFAULT_BLOCK)
         design = self._design(design, options)
         weighting = self._part(Weighting, weighting, options, design.NAME)
         shape = self._part(Proposal, proposal_options, options, design.NAME)
-        if scope == model_wide.SCOPE and aggregate is None:
-            aggregate = prob_designs.default("aggregate", score, design.NAME)
-        _, aggregate = model_wide.check_options(scope, None, aggregate, where="prob:")
+        if scope == model_scope.SCOPE and aggregate is None:
+            aggregate = prob_options.default("aggregate", score, design.NAME)
+        _, aggregate = model_scope.check_options(scope, None, aggregate, where="prob:")
         put(scope=scope, seed=_check_seed(seed), design=design, weighting=weighting)
         put(proposal_options=shape, aggregate=aggregate)
         self._check_model_scope()
@@ -151,7 +151,7 @@ class ProbabilisticPolicy(EvictionPolicy):
 
     def _check_model_scope(self) -> None:
         """``scope="model"`` draws whole blocks of ``block`` positions by fixed-size pps (S11)."""
-        if self.scope != model_wide.SCOPE:
+        if self.scope != model_scope.SCOPE:
             return
         if self.design.NAME != "pps":
             raise ValueError(
@@ -174,7 +174,7 @@ class ProbabilisticPolicy(EvictionPolicy):
         name = design.NAME if design is not None else sampler or self._default("sampler", "")
         cls = DESIGNS[name]
         given = {k: options.pop(k) for k in cls.OPTIONS if k in options}
-        foreign = {k: options.pop(k) for k in prob_designs.design_options() if k in options}
+        foreign = {k: options.pop(k) for k in prob_options.design_options() if k in options}
         if foreign:
             key, value = next(iter(foreign.items()))
             owners = [n for n, c in DESIGNS.items() if key in c.OPTIONS]
@@ -182,11 +182,11 @@ class ProbabilisticPolicy(EvictionPolicy):
             raise ValueError(
                 f"{key}={value!r} does nothing with sampler={name!r}: {why}; omit {key}"
             )
-        return cls.build(self.score, prob_designs.merged(design, given))
+        return cls.build(self.score, prob_options.merged(design, given))
 
     def _part(self, cls, part, options: dict, sampler: str):
         given = {k: options.pop(k) for k in cls.OPTIONS if k in options}
-        values = prob_designs.merged(part, given)
+        values = prob_options.merged(part, given)
         if cls is Weighting and values.get("correct") is False and "tau" not in values:
             values["tau"] = math.inf  # no correction: no temperature
         filled = {
@@ -196,11 +196,11 @@ class ProbabilisticPolicy(EvictionPolicy):
         return cls(**filled)
 
     def _default(self, option: str, sampler: str):
-        return prob_designs.default(option, self.score, sampler)
+        return prob_options.default(option, self.score, sampler)
 
     @classmethod
     def option_names(cls) -> tuple[str, ...]:
-        designs = tuple(prob_designs.design_options())
+        designs = tuple(prob_options.design_options())
         parts = tuple(k for options in PART_OPTIONS for k in options)
         return tuple(sorted(("scope", "seed", "sampler", "aggregate", *designs, *parts)))
 
@@ -306,7 +306,7 @@ class ProbabilisticPolicy(EvictionPolicy):
         observations = [self._with_forced(obs) for obs in observations]
         pooled = [self.pooled_scores(obs) for obs in observations]
         pis = [self.proposal(obs, p).double() for obs, p in zip(observations, pooled)]
-        if self.scope == model_wide.SCOPE:
+        if self.scope == model_scope.SCOPE:
             return self._select_model(observations, pis)
         # A head whose entries are all forced (a prompt no longer than SnapKV's window at a
         # budget of every entry) has nothing to sample: it keeps everything and is left out.
@@ -361,7 +361,7 @@ class ProbabilisticPolicy(EvictionPolicy):
             return kept, inclusion if self.corrected else None
 
         tau = self.tau if self.corrected else 1.0
-        return model_wide.select(observations, pis, self, choose=choose, tau=tau)
+        return model_scope.select(observations, pis, self, choose=choose, tau=tau)
 
     def _global_keys(self, obs: LayerObservation, pooled: torch.Tensor) -> torch.Tensor:
         """``[Hkv, t]`` float64 keys comparable across heads (S9 global), from the pooled

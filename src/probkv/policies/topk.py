@@ -17,7 +17,7 @@ import torch
 from probkv import budgets, scores
 from probkv._checks import check_choice
 from probkv.estimation.selection import RaggedSelection
-from probkv.policies import model_wide
+from probkv.policies import model_scope
 from probkv.policies.base import (
     EvictionPolicy,
     LayerObservation,
@@ -34,7 +34,7 @@ from probkv.scores import proposals
 
 LAYER_BUDGETS = ("uniform", "pyramid", "global")
 HEAD_BUDGETS = ("uniform", "ada")
-SCOPES = ("head", model_wide.SCOPE)
+SCOPES = ("head", model_scope.SCOPE)
 ADA_ALPHA = 0.2  # Ada-KV's safeguard, as its reference code
 PYRAMID_BETA = 20.0  # PyramidKV's ratio of the first layer's budget to the last's
 
@@ -88,8 +88,8 @@ class TopKPolicy(EvictionPolicy):
     recent: float = 0.0
     pool: int = 1
     scope: str = "head"
-    block: int | None = None  # None: model_wide.DEFAULT_BLOCK with scope="model"
-    aggregate: str | None = None  # None: model_wide.DEFAULT_AGGREGATE with scope="model"
+    block: int | None = None  # None: model_scope.DEFAULT_BLOCK with scope="model"
+    aggregate: str | None = None  # None: model_scope.DEFAULT_AGGREGATE with scope="model"
     threshold: float | None = None  # keep log-scores above it: the ratio adapts per prompt
 
     def __post_init__(self) -> None:
@@ -98,12 +98,12 @@ class TopKPolicy(EvictionPolicy):
         check_choice(self.layer_budgets, LAYER_BUDGETS, "layer_budgets")
         check_choice(self.head_budgets, HEAD_BUDGETS, "head_budgets")
         check_choice(self.scope, SCOPES, "scope")
-        block, aggregate = model_wide.check_options(
+        block, aggregate = model_scope.check_options(
             self.scope, self.block, self.aggregate, where="top-k"
         )
         object.__setattr__(self, "block", block)
         object.__setattr__(self, "aggregate", aggregate)
-        if self.scope == model_wide.SCOPE:
+        if self.scope == model_scope.SCOPE:
             for key in ("layer_budgets", "head_budgets"):
                 if getattr(self, key) != "uniform":
                     raise ValueError(
@@ -211,7 +211,7 @@ class TopKPolicy(EvictionPolicy):
             return policy.select(observations, num_layers=num_layers)
         if self.layer_budgets == "global" and self.head_budgets == "ada" and self.ratio > 0:
             return self._select_global(observations)
-        if self.scope == model_wide.SCOPE and self.ratio > 0:
+        if self.scope == model_scope.SCOPE and self.ratio > 0:
             return self._select_model(observations)
         out = []
         for obs in observations:
@@ -284,7 +284,7 @@ class TopKPolicy(EvictionPolicy):
     def _select_model(self, observations: Sequence[LayerObservation]) -> list[RaggedSelection]:
         """S11: the top blocks by the aggregate of every head's softmax mass of its (pooled)
         log-scores, the same blocks for every layer and head; forced entries' blocks kept."""
-        t = model_wide.common_length(observations)
+        t = model_scope.common_length(observations)
         per_head = budgets.uniform_budget(t, self.ratio)
         observations = [
             with_recent(obs, recent_count(self.recent, per_head)) for obs in observations
@@ -297,7 +297,7 @@ class TopKPolicy(EvictionPolicy):
         def choose(mass, forced, k):
             return model_blocks.top_blocks(mass, forced, k), None
 
-        return model_wide.select(observations, pis, self, choose=choose)
+        return model_scope.select(observations, pis, self, choose=choose)
 
 
 def threshold_count(observations: Sequence[LayerObservation], threshold: float) -> tuple[int, int]:

@@ -27,7 +27,7 @@ import torch
 
 from probkv import sampling
 from probkv._checks import check_choice
-from probkv.sampling import designs
+from probkv.sampling import span_designs
 
 AGGREGATES = ("sum", "max")
 """How a block's score combines the heads' proposal masses in it (S11)."""
@@ -39,7 +39,7 @@ def check_aggregate(aggregate: str) -> str:
 
 def num_blocks(t: int, block: int) -> int:
     """Blocks of ``block`` positions covering ``t`` positions (the last may be shorter)."""
-    return -(-t // designs.check_block(block))
+    return -(-t // span_designs.check_block(block))
 
 
 def block_budget(budget: int, t: int, block: int) -> int:
@@ -103,10 +103,10 @@ def pps_blocks(
     """Kept blocks (bool ``[K]``) and their inclusion probabilities (float64 ``[K]``, 1 for
     forced and core blocks, 0 for blocks of zero mass): forced blocks, then the top
     ``floor(core (k - F))`` of the others, then fixed-size pps over the rest for the blocks
-    left (systematic sampling visiting the blocks in ``order``, ``probkv.sampling.designs``)."""
-    check_choice(order, designs.ORDERS, "order")
+    left (systematic sampling visiting the blocks in ``order``, ``probkv.sampling.span_designs``)."""
+    check_choice(order, span_designs.ORDERS, "order")
     sampled = max(0, k - int(forced.sum()))
-    core_mask = _ranked(mass, ~forced, designs.core_size(core, sampled))
+    core_mask = _ranked(mass, ~forced, span_designs.core_size(core, sampled))
     rest = sampled - int(core_mask.sum())
     free = ~(forced | core_mask)
     m = torch.where(free, mass.double(), 0.0).unsqueeze(0)
@@ -115,8 +115,8 @@ def pps_blocks(
     k_all = mass.numel()
     units = torch.arange(k_all, dtype=torch.int64).unsqueeze(0)
     sizes = torch.ones(1, k_all, dtype=torch.int64)  # one "entry" per block: exactly n blocks
-    design = designs.UnitDesign(units=units, inclusion=inclusion, sizes=sizes)
-    drawn = designs.sample_design(design, order, generator)[0]
+    design = span_designs.UnitDesign(units=units, inclusion=inclusion, sizes=sizes)
+    drawn = span_designs.sample_design(design, order, generator)[0]
     P = torch.where(forced | core_mask, 1.0, inclusion[0])
     return forced | core_mask | (drawn & free), P
 

@@ -19,14 +19,14 @@ from collections.abc import Callable, Sequence
 import torch
 
 from probkv._checks import check_ratio
-from probkv.sampling import (
+from probkv.sampling.samplers import (
     Count,
     Probabilities,
-    _always_kept,
-    _as_list,
-    _integer_per_row,
-    _per_tensor,
-    _probabilities,
+    as_tensor_list,
+    checked_always_kept,
+    checked_probabilities,
+    integer_per_row,
+    per_tensor,
 )
 
 MAX_SAMPLES = 10**12
@@ -65,8 +65,8 @@ def expected_distinct(pi: torch.Tensor, m: Count) -> torch.Tensor:
     Returns:
         float64 ``pi.shape[:-1]``.
     """
-    p = _probabilities(pi)
-    m_rows = _integer_per_row(m, p.shape[:-1], "m", device=p.device)
+    p = checked_probabilities(pi)
+    m_rows = integer_per_row(m, p.shape[:-1], "m", device=p.device)
     return _expected_distinct(_log1m(p), m_rows)
 
 
@@ -75,8 +75,8 @@ def inclusion_probabilities_with_replacement(pi: torch.Tensor, m: Count) -> torc
 
     Computed as ``-expm1(m * log1p(-pi_i))``; ``m`` as in ``expected_distinct``.
     """
-    p = _probabilities(pi)
-    m_rows = _integer_per_row(m, p.shape[:-1], "m", device=p.device)
+    p = checked_probabilities(pi)
+    m_rows = integer_per_row(m, p.shape[:-1], "m", device=p.device)
     mf = m_rows.to(torch.float64).unsqueeze(-1)
     return -torch.expm1(torch.where(mf > 0, mf * _log1m(p), 0.0))
 
@@ -306,8 +306,8 @@ def samples_for_ratio(
             "pi must be one tensor [..., t] (lists are for scope='global': "
             f"samples_for_ratio_global), got {type(pi).__name__}"
         )
-    p = _probabilities(pi)
-    a = _always_kept(always_kept, p, "always_kept")
+    p = checked_probabilities(pi)
+    a = checked_always_kept(always_kept, p, "always_kept")
     t = p.shape[-1]
     target = ((1.0 - r) * t - a.to(torch.float64)).clamp(min=0.0).flatten().cpu()
     log1m_p = _search_log1m(p)
@@ -358,15 +358,17 @@ def samples_for_ratio_global(
         a Python int.
     """
     r = check_ratio(ratio)
-    tensors = _as_list(pi, "pi")
-    kept_per_tensor = _per_tensor(always_kept, len(tensors), "always_kept")
+    tensors = as_tensor_list(pi, "pi")
+    kept_per_tensor = per_tensor(always_kept, len(tensors), "always_kept")
     terms, lengths, forced, positive = [], [], [], []
     for i, (x, a) in enumerate(zip(tensors, kept_per_tensor, strict=True)):
-        p = _probabilities(x, f"pi[{i}]")
+        p = checked_probabilities(x, f"pi[{i}]")
         t = p.shape[-1]
         terms.append(_search_log1m(p))
         lengths.append(torch.full((terms[-1].shape[0],), float(t), dtype=torch.float64))
-        forced.append(_always_kept(a, p, f"always_kept[{i}]").reshape(-1).to(torch.float64).cpu())
+        forced.append(
+            checked_always_kept(a, p, f"always_kept[{i}]").reshape(-1).to(torch.float64).cpu()
+        )
         positive.append((p > 0).sum(-1).reshape(-1).to(torch.float64).cpu())
         del p
     inv_t = 1.0 / torch.cat(lengths)

@@ -39,7 +39,7 @@ def _compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
     return torch.float32
 
 
-def _check_scale(scale: float) -> float:
+def check_scale(scale: float) -> float:
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise ValueError(
             f"scale must be a positive finite number (usually d ** -0.5), got {scale!r}"
@@ -51,7 +51,7 @@ def _check_scale(scale: float) -> float:
     return float(scale)
 
 
-def _check_floating(x: torch.Tensor, name: str) -> None:
+def check_floating(x: torch.Tensor, name: str) -> None:
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if not torch.is_floating_point(x):
@@ -99,7 +99,7 @@ def harmonic_row_weights(t: int, *, dtype: torch.dtype = torch.float32) -> torch
 def _check_row_weights(row_weights: torch.Tensor | None, t: int) -> torch.Tensor | None:
     if row_weights is None:
         return None
-    _check_floating(row_weights, "row_weights")
+    check_floating(row_weights, "row_weights")
     if row_weights.ndim != 2 or row_weights.shape[1] != t:
         raise ValueError(
             f"row_weights must be [S, t] with t = {t} (stack the weightings, e.g. "
@@ -112,10 +112,10 @@ def _check_row_weights(row_weights: torch.Tensor | None, t: int) -> torch.Tensor
 
 def _check_inputs(query, key, value, query_name: str) -> None:
     """Floating tensors of matching heads (``value`` may be ``None``)."""
-    _check_floating(query, query_name)
-    _check_floating(key, "key")
+    check_floating(query, query_name)
+    check_floating(key, "key")
     if value is not None:
-        _check_floating(value, "value")
+        check_floating(value, "value")
     check_heads(query, key, value)
 
 
@@ -193,7 +193,7 @@ def _attention_with_column_sums(query, key, value, scale, row_weights, chunk_siz
     """Both public kernels, inputs checked but for the scale, weights and chunk size: rows
     of ``query [Hq, q, d]`` are the last ``q`` of ``t = key.shape[1]`` positions."""
     g = query.shape[0] // key.shape[0]
-    scale = _check_scale(scale)
+    scale = check_scale(scale)
     hq, q, _ = query.shape
     hkv, t = key.shape[:2]
     row_weights = _check_row_weights(row_weights, q)
@@ -308,11 +308,11 @@ def attention_with_log_normalisers(
     it is the alternative to ``causal_attention_with_column_sums`` that
     benchmarks/bench_attention_kernel.py compares (slower on CPU: the logits are computed twice).
     """
-    _check_floating(query_rows, "query_rows")
-    _check_floating(key, "key")
-    _check_floating(value, "value")
+    check_floating(query_rows, "query_rows")
+    check_floating(key, "key")
+    check_floating(value, "value")
     g = check_heads(query_rows, key, value)
-    scale = _check_scale(scale)
+    scale = check_scale(scale)
     q_len, t = query_rows.shape[1], key.shape[1]
     if q_len > t:
         raise ValueError(f"query_rows has {q_len} rows but there are only {t} keys")
@@ -368,11 +368,11 @@ def column_sums_from_log_normalisers(
     ``log_normalisers [Hq, q]``; ``row_weights [S, q]``. Returns ``[S, Hq, t]`` in the compute
     dtype (float32, float64 for float64 inputs).
     """
-    _check_floating(query_rows, "query_rows")
-    _check_floating(key, "key")
-    _check_floating(log_normalisers, "log_normalisers")
+    check_floating(query_rows, "query_rows")
+    check_floating(key, "key")
+    check_floating(log_normalisers, "log_normalisers")
     g = check_heads(query_rows, key)
-    scale = _check_scale(scale)
+    scale = check_scale(scale)
     hq, q_len, d = query_rows.shape
     hkv, t = key.shape[:2]
     if q_len > t:
@@ -439,10 +439,10 @@ def attention_rows(
         ``[Hq, w, t]`` probabilities, zero beyond each row's position; float32 (float64 when
         the inputs are float64).
     """
-    _check_floating(query_rows, "query_rows")
-    _check_floating(key, "key")
+    check_floating(query_rows, "query_rows")
+    check_floating(key, "key")
     g = check_heads(query_rows, key)
-    scale = _check_scale(scale)
+    scale = check_scale(scale)
     hq, w, d = query_rows.shape
     hkv, t, _ = key.shape
     pos = torch.as_tensor(row_positions, device=key.device)

@@ -88,7 +88,7 @@ def _normalised_rows(x: torch.Tensor) -> torch.Tensor:
     return torch.where(total > 0, x / total.clamp_min(torch.finfo(torch.float64).tiny), uniform)
 
 
-def _group_log_scores(
+def group_log_scores(
     per_query_head: torch.Tensor, num_kv_heads: int, alpha: torch.Tensor | None
 ) -> torch.Tensor:
     """S2 GQA: normalise per query head, mix within groups, floor, log -> ``[Hkv, n]`` f32."""
@@ -138,7 +138,7 @@ def _column_sums(
     return sums[0]
 
 
-def _value_norms(value: torch.Tensor, g: int) -> torch.Tensor:
+def value_norms(value: torch.Tensor, g: int) -> torch.Tensor:
     """``[Hq, t]`` float64 ``||v_i||_2`` of each query head's KV head."""
     norms = torch.linalg.vector_norm(value, dim=-1, dtype=torch.float64)  # no float64 copy of V
     return norms.repeat_interleave(g, 0)
@@ -172,7 +172,7 @@ def _accumulated_attention(weights: Literal["uniform", "harmonic"], name: str, d
         sums = _column_sums(
             query, key, scale=scale, weights=weights, column_sums=column_sums, chunk_size=chunk_size
         )
-        return Scores(_group_log_scores(sums, key.shape[0], alpha))
+        return Scores(group_log_scores(sums, key.shape[0], alpha))
 
     score.__name__ = score.__qualname__ = name
     score.__doc__ = doc
@@ -206,8 +206,8 @@ def min_variance(
     if value is None:
         raise ValueError("value is required for the 'min' score (pi ∝ p_t(i) * ||v_i||)")
     g = check_layer_tensors(query, key, value)
-    per_head = _last_row(query, key, scale).to(torch.float64) * _value_norms(value, g)
-    return Scores(_group_log_scores(per_head, key.shape[0], alpha))
+    per_head = _last_row(query, key, scale).to(torch.float64) * value_norms(value, g)
+    return Scores(group_log_scores(per_head, key.shape[0], alpha))
 
 
 def min_variance_harmonic(
@@ -228,8 +228,8 @@ def min_variance_harmonic(
     sums = _column_sums(
         query, key, scale=scale, weights="harmonic", column_sums=column_sums, chunk_size=chunk_size
     )
-    per_head = sums.to(torch.float64) * _value_norms(value, g)
-    return Scores(_group_log_scores(per_head, key.shape[0], alpha))
+    per_head = sums.to(torch.float64) * value_norms(value, g)
+    return Scores(group_log_scores(per_head, key.shape[0], alpha))
 
 
 def _group_mean(
@@ -318,7 +318,7 @@ def snapkv(
     pool = F.max_pool1d if pooling == "max" else F.avg_pool1d
     pooled = pool(observed[:, None, :], kernel_size=kernel, stride=1, padding=kernel // 2)[:, 0]
     if gqa == "mixture":
-        log_scores[:, :prefix] = _group_log_scores(pooled, hkv, alpha)
+        log_scores[:, :prefix] = group_log_scores(pooled, hkv, alpha)
     else:
         mean = _group_mean(pooled, hkv, alpha).clamp_min(FLOOR / prefix)
         log_scores[:, :prefix] = torch.log(mean).to(torch.float32)

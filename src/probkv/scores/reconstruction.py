@@ -39,11 +39,11 @@ import torch
 from probkv._checks import check_heads, check_positive_int
 from probkv.scores.column_sums import (
     CPU_CHUNK_ROWS,
-    _check_floating,
-    _check_scale,
+    check_floating,
+    check_scale,
     default_chunk_size,
 )
-from probkv.scores.functions import FORCED_LOG_SCORE, Scores, _group_log_scores, _value_norms
+from probkv.scores.functions import FORCED_LOG_SCORE, Scores, group_log_scores, value_norms
 from probkv.scores.proposals import FLOOR
 
 # KVzip's chunk length (tokens of context reconstructed per model pass) and the number of
@@ -231,9 +231,9 @@ def reconstruction_attention(
         input is float64).
     """
     for name, x in (("query", query), ("key", key), ("value", value)):
-        _check_floating(x, name)
+        check_floating(x, name)
     g = check_heads(query, key, value)
-    scale = _check_scale(scale)
+    scale = check_scale(scale)
     hq, n, d = query.shape
     hkv, total, _ = key.shape
     t = check_positive_int(context_length, "context_length")
@@ -415,7 +415,7 @@ def _mean_scores(stats, value, sinks, chunk_tokens, alpha) -> Scores:
                 f"value must be [Hkv, t, d_v] = [{hkv}, {t}, d_v] for 'min-rec', got "
                 f"{tuple(getattr(value, 'shape', ())) or type(value).__name__}"
             )
-        mean = mean * _value_norms(value, mean.shape[0] // hkv).to(mean.device)
+        mean = mean * value_norms(value, mean.shape[0] // hkv).to(mean.device)
     if f == t:
         return Scores(_prepend_forced(mean.new_zeros(hkv, 0), f), forced)
-    return Scores(_prepend_forced(_group_log_scores(mean[:, f:], hkv, alpha), f), forced)
+    return Scores(_prepend_forced(group_log_scores(mean[:, f:], hkv, alpha), f), forced)

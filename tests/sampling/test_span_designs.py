@@ -1,4 +1,4 @@
-"""Tests of probkv.sampling.designs: span-preserving pps designs (S10.2-S10.4).
+"""Tests of probkv.sampling.span_designs: span-preserving pps designs (S10.2-S10.4).
 
 References are written here from the definitions: iterative capping with unit sizes (S10.3),
 systematic sampling as "unit k is kept iff its interval holds a point u + j", evaluated in exact
@@ -22,8 +22,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from probkv import sampling
-from probkv.sampling import capped_scale, designs, systematic_sample_ordered
-from probkv.sampling.designs import (
+from probkv.sampling import capped_scale, span_designs, systematic_sample_ordered
+from probkv.sampling.span_designs import (
     UnitDesign,
     block_design,
     block_design_global,
@@ -225,7 +225,7 @@ CASES = [  # (t, block, n, zeros at the end, spread, seed)
 ]
 
 
-@pytest.mark.parametrize("order", designs.ORDERS)
+@pytest.mark.parametrize("order", span_designs.ORDERS)
 @pytest.mark.parametrize(("t", "block", "n", "zeros", "spread", "seed"), CASES)
 def test_block_design_is_exactly_unbiased(order, t, block, n, zeros, spread, seed):
     """Exact enumeration of the design's distribution (all visiting orders x all offsets):
@@ -481,7 +481,7 @@ SPAN_CASES = [  # (proposal, block, n): at most 6 units, so every order is enume
 ]
 
 
-@pytest.mark.parametrize("order", designs.ORDERS)
+@pytest.mark.parametrize("order", span_designs.ORDERS)
 @pytest.mark.parametrize(("p", "block", "n"), SPAN_CASES)
 def test_span_design_is_exactly_unbiased(order, p, block, n):
     """Exact enumeration as for blocks (every permutation of the units x every offset): the

@@ -36,7 +36,7 @@ from probkv import estimation, sampling, scores
 from probkv._checks import check_choice
 from probkv.estimation import calibration
 from probkv.policies.base import check_fraction
-from probkv.sampling import designs, sample_size
+from probkv.sampling import sample_size, span_designs
 from probkv.scores import proposals
 
 SCOPES = ("head", "global", "model")
@@ -286,7 +286,7 @@ class WithReplacement(Design):
 @dataclass(frozen=True)
 class Pps(Design):
     """Fixed-size pps without replacement (S9) with span-preserving designs (S10.2-S10.4,
-    ``probkv.sampling.designs``): per head the ``floor(core b)`` entries of largest key are kept with
+    ``probkv.sampling.span_designs``): per head the ``floor(core b)`` entries of largest key are kept with
     weight 1 (``b``: the budget after forced entries), the rest of the budget is pps over units
     (``units="blocks"``: runs of ``block`` entries; ``"spans"``: runs of above-average proposal
     of at most ``block`` entries) visited in ``order`` by systematic sampling; every entry of a
@@ -307,36 +307,40 @@ class Pps(Design):
     def __post_init__(self) -> None:
         what = "share of the sampled budget taken top-k"
         object.__setattr__(self, "core", check_fraction(self.core, "core", what=what))
-        designs.check_block(self.block)
-        check_choice(self.order, designs.ORDERS, "order")
-        designs.check_units(self.units)
+        span_designs.check_block(self.block)
+        check_choice(self.order, span_designs.ORDERS, "order")
+        span_designs.check_units(self.units)
 
     def _units(self, stratum: Stratum):
         """Per layer: the core (bool ``[H, t]``) and the unit design of the rest."""
         keys, masses = stratum.ranking
         pis = stratum.pis
         if stratum.scope == "global":
-            total = designs.global_budget(pis, stratum.ratio, stratum.forced)
+            total = span_designs.global_budget(pis, stratum.ratio, stratum.forced)
             eligible = [pi > 0 for pi in pis]
-            cores = designs.top_entries_global(keys, designs.core_size(self.core, total), eligible)
+            cores = span_designs.top_entries_global(
+                keys, span_designs.core_size(self.core, total), eligible
+            )
             rest = total - sum(int(c.sum()) for c in cores)
-            units = designs.block_design_global(
+            units = span_designs.block_design_global(
                 pis, rest, self.block, outside=cores, row_mass=masses, units=self.units
             )
             return cores, units
         cores, units = [], []
         for key, pi, f, b in zip(keys, pis, stratum.forced, stratum.budgets):
             sampled = (b - f).clamp(min=0)
-            core = designs.top_entries(key, designs.core_size(self.core, sampled), pi > 0)
+            core = span_designs.top_entries(key, span_designs.core_size(self.core, sampled), pi > 0)
             cores.append(core)
             rest = sampled - core.sum(-1)
-            units.append(designs.block_design(pi, rest, self.block, outside=core, units=self.units))
+            units.append(
+                span_designs.block_design(pi, rest, self.block, outside=core, units=self.units)
+            )
         return cores, units
 
     def draw(self, stratum: Stratum, weighting: Weighting, generator: torch.Generator) -> Drawn:
         out = []
         for pi, core, design in zip(stratum.pis, *self._units(stratum)):
-            kept = designs.sample_design(design, self.order, generator) | core
+            kept = span_designs.sample_design(design, self.order, generator) | core
             logw = None
             if weighting.correct:
                 inclusion = torch.where(core, 1.0, design.entry_inclusion)

@@ -1,4 +1,4 @@
-"""probkv.hf.channel and the transformers-version shim of probkv.hf.model: on every supported
+"""probkv.hf.layer_handoff and the transformers-version shim of probkv.hf.model: on every supported
 transformers (5.19, which vLLM 0.32 needs, to 5.24) a prepared model takes ``cache=`` and its
 evicting layers reach probkv's attention function."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaModel
 
-from probkv.hf import ProbKVCache, channel, prepare_model
+from probkv.hf import ProbKVCache, layer_handoff, prepare_model
 from probkv.hf import model as model_module
 from probkv.models.testing import tiny_model
 from probkv.policies import parse_method
@@ -19,17 +19,19 @@ from probkv.policies import parse_method
 
 def test_the_kwargs_dict_carries_the_layer_when_transformers_passes_one():
     layer, kwargs = SimpleNamespace(layer_idx=3), {}
-    channel.hand_over(layer, kwargs)
-    assert kwargs[channel.KWARGS_KEY] is layer
-    assert channel.take(SimpleNamespace(layer_idx=3), kwargs[channel.KWARGS_KEY]) is layer
+    layer_handoff.hand_over(layer, kwargs)
+    assert kwargs[layer_handoff.KWARGS_KEY] is layer
+    assert (
+        layer_handoff.take(SimpleNamespace(layer_idx=3), kwargs[layer_handoff.KWARGS_KEY]) is layer
+    )
 
 
 def test_the_slot_hands_the_layer_once_and_only_to_its_own_layer_index():
     layer = SimpleNamespace(layer_idx=2)
-    channel.hand_over(layer, None)
-    assert channel.take(SimpleNamespace(layer_idx=5), None) is None  # another layer: not its
-    assert channel.take(SimpleNamespace(layer_idx=2), None) is layer
-    assert channel.take(SimpleNamespace(layer_idx=2), None) is None  # taken once
+    layer_handoff.hand_over(layer, None)
+    assert layer_handoff.take(SimpleNamespace(layer_idx=5), None) is None  # another layer: not its
+    assert layer_handoff.take(SimpleNamespace(layer_idx=2), None) is layer
+    assert layer_handoff.take(SimpleNamespace(layer_idx=2), None) is None  # taken once
 
 
 def test_the_cache_argument_is_this_transformers_own_name():

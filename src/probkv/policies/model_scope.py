@@ -33,7 +33,7 @@ def check_options(scope: str, block, aggregate, *, where: str) -> tuple[int | No
                     f"scope={scope!r}; omit {key}"
                 )
         return None, None
-    block = model_blocks.designs.check_block(DEFAULT_BLOCK if block is None else block)
+    block = model_blocks.span_designs.check_block(DEFAULT_BLOCK if block is None else block)
     aggregate = model_blocks.check_aggregate(DEFAULT_AGGREGATE if aggregate is None else aggregate)
     return block, aggregate
 
