@@ -104,7 +104,7 @@ def before_generate(cache, ids: torch.Tensor, attention_mask: torch.Tensor | Non
     guards.check_budget_padding(attention_mask, cache.decode_budget)
     if attention_mask is not None and bool(attention_mask.all()):
         attention_mask = None
-    cache._generate_mask = attention_mask
+    cache.generate_mask = attention_mask
     return held == 0 or cache.token_ids is not None
 
 
@@ -113,9 +113,9 @@ def after_generate(cache, sequences: torch.Tensor) -> None:
     generated tokens (never padded)."""
     held = cache.get_seq_length()
     cache.token_ids = sequences[:, :held] if sequences.shape[1] >= held else None
-    mask = cache._generate_mask
+    mask = cache.generate_mask
     if mask is not None and cache.token_ids is not None:
         grown = mask.new_ones(mask.shape[0], max(0, held - mask.shape[1]))
         mask = torch.cat([mask, grown], dim=1)[:, :held]
     cache.attention_mask = mask if cache.token_ids is not None else None
-    cache._generate_mask = None
+    cache.generate_mask = None

@@ -184,14 +184,14 @@ class EvictingLayer(CacheLayerMixin):
         else:
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
-            self.tail.append(key_states, value_states, self._tail_capacity)
+            self.tail.append(key_states, value_states, self.tail_capacity)
         layer_handoff.hand_over(self, kwargs)  # to the attention function (probkv.hf.layer_handoff)
         self._awaiting_attention = True
         if self.sequence_layers is not None:
             return key_states, value_states  # probkv's attention reads the sequences' own
         return self.tail_keys, self.tail_values
 
-    def _tail_capacity(self, need: int, planned: int) -> int:
+    def tail_capacity(self, need: int, planned: int) -> int:
         """How far the tail grows: the whole prompt at its first chunk when its length is
         known (no copy per chunk); with a decode budget, to at most what the head holding
         most entries may reach, ``B + K`` (the tail is shared by the heads)."""
@@ -469,7 +469,9 @@ class ProbKVCache(Cache):
         # batch's ``attention_mask`` ``[B, t]`` (``None``: nothing padded) goes with them.
         self.token_ids: torch.Tensor | None = None
         self.attention_mask: torch.Tensor | None = None
-        self._generate_mask: torch.Tensor | None = None  # the mask of a running generate
+        self.generate_mask: torch.Tensor | None = (
+            None  # the mask of a running generate (hf.accounting)
+        )
 
     # ---------------------------------------------------------------- protocol
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):

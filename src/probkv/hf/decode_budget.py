@@ -382,7 +382,7 @@ def sequence_probabilities(layer, probabilities: torch.Tensor, b: int, q: int) -
 def append_to_sequences(layers: list, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
     """A budgeted batch's new entries ``[B, Hkv, q, d]``: each sequence's into its own tail."""
     for b, layer in enumerate(layers):
-        layer.tail.append(key_states[b : b + 1], value_states[b : b + 1], layer._tail_capacity)
+        layer.tail.append(key_states[b : b + 1], value_states[b : b + 1], layer.tail_capacity)
 
 
 def sequences_length(layers: list, num_heads: int, head: int | None) -> int:

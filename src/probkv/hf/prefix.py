@@ -119,10 +119,11 @@ class DenseTail:
     tokens added since after it. ``[B, Hkv, capacity, d]`` buffers, of which the first
     ``length`` slots are used; appends grow them geometrically (``append``)."""
 
-    def __init__(self) -> None:
-        self._keys: torch.Tensor | None = None
-        self._values: torch.Tensor | None = None
-        self.length = 0
+    def __init__(self, keys: torch.Tensor | None = None, values: torch.Tensor | None = None):
+        """Empty, or holding ``keys``/``values [B, Hkv, n, d]`` whole (views, not copied)."""
+        self._keys = keys
+        self._values = values
+        self.length = 0 if keys is None else keys.shape[2]
 
     @property
     def keys(self) -> torch.Tensor:
@@ -160,11 +161,10 @@ class DenseTail:
         """A tail holding sequence ``b``'s used slots from ``start`` on (``[1, Hkv, length -
         start, d]``): views of this one's buffers, no copy (a batch's sequence held to a decode
         budget, ``probkv.hf.decode_budget.split_batch``)."""
-        tail = DenseTail()
-        tail._keys = self._keys[b : b + 1, :, start : self.length]
-        tail._values = self._values[b : b + 1, :, start : self.length]
-        tail.length = self.length - start
-        return tail
+        return DenseTail(
+            self._keys[b : b + 1, :, start : self.length],
+            self._values[b : b + 1, :, start : self.length],
+        )
 
     def truncate(self, length: int) -> None:
         """Keep the first ``length`` tokens (``0 <= length <= self.length``)."""
