@@ -4,14 +4,18 @@ are tested in tests/vllm/test_engine.py, in the vLLM environment)."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
 import pytest
 
 from probkv.cli.main import main
+from probkv.eval import engines
 from probkv.eval.config import IDENTITY_KEYS, RunConfig, config_identity, stored_identity
-from probkv.eval.engines import check_engine_run
+from probkv.eval.engines import HfEngine, check_engine_run
+from probkv.eval.runner import run_eval
+from probkv.eval.store import read_results
 
 BASE = {"model": "m", "methods": ("full", "snapkv", "prob:snapkv"), "ratios": (0.5,)}
 BASE |= {"tasks": ("niah_single_1",), "lengths": (100,), "question_aware": True}
@@ -27,7 +31,9 @@ def test_engine_is_checked_and_part_of_the_identity():
     assert "engine" in IDENTITY_KEYS
     assert stored_identity({"model": "m"})["engine"] == "hf"  # folders of older probkv
     with pytest.raises(ValueError, match=r"engine must be one of 'hf', 'vllm'; got 'sglang'"):
-        config(engine="sglang")
+        check_engine_run(config(engine="sglang"))
+    with pytest.raises(ValueError, match=r"engine must be an engine's name, got 3"):
+        config(engine=3)
 
 
 def test_hf_refuses_tensor_parallelism_and_takes_everything_else():
@@ -125,3 +131,45 @@ def test_vllm_kvzap_needs_a_shipped_scorer_for_the_model(tmp_path):
     with pytest.raises(ValueError, match=r"'prob:kvzap' cannot run in vLLM.*no scorer for model"):
         check_engine_model(run)
     check_engine_model(config(engine="vllm", model=folder))
+
+
+class EchoEngine(HfEngine):
+    """A made-up engine (the worked example of docs/architecture.md): the HF engine's rows,
+    each marked with its name, and no worker processes."""
+
+    NAME = "echo"
+
+    def check_run(self, config, *, workers, **options) -> None:
+        super().check_run(config, workers=workers, **options)
+        if workers != 1:
+            raise ValueError(f"--workers {workers}: the echo engine runs in this process")
+
+    def rows(self, *args, **kwargs):
+        for row in super().rows(*args, **kwargs):
+            yield {**row, "engine": self.NAME}
+
+
+def test_adding_an_engine_is_one_class_and_one_entry(
+    monkeypatch, tmp_path, tiny_dir, data_file, keyed, capsys
+):
+    """With nothing else changed, an engine registered in ENGINES is refused or run by the
+    runner, and ``--engine`` takes its name."""
+    monkeypatch.setitem(engines.ENGINES, "echo", EchoEngine())
+    run = RunConfig(model=tiny_dir, methods=("full", "snapkv"), ratios=(0.5,), data=str(data_file))
+    with pytest.raises(ValueError, match="--workers 2: the echo engine runs in this process"):
+        run_eval(
+            dataclasses.replace(run, engine="echo"), tmp_path / "no", workers=2, progress=False
+        )
+    assert not (tmp_path / "no").exists()
+    run_eval(dataclasses.replace(run, engine="echo"), tmp_path / "echo", progress=False)
+    run_eval(run, tmp_path / "hf", progress=False)
+    echo, hf = (
+        read_results(tmp_path / "echo/results.jsonl"),
+        read_results(tmp_path / "hf/results.jsonl"),
+    )
+    assert {r["engine"] for r in echo} == {"echo"} and {r["engine"] for r in hf} == {"hf"}
+    drop = ("prefill_s", "decode_s", "shared_prefill", "engine")
+    assert keyed(echo, drop) == keyed(hf, drop)
+    argv = ["eval", "--model", tiny_dir, "--data", str(data_file), "--methods", "full"]
+    assert main([*argv, "--engine", "echo", "--out", str(tmp_path / "cli"), "--no-progress"]) == 0
+    assert {r["engine"] for r in read_results(tmp_path / "cli/results.jsonl")} == {"echo"}

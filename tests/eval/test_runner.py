@@ -13,8 +13,7 @@ import json
 
 import pytest
 
-from probkv.eval import generate_examples, write_examples
-from probkv.eval import runner as rn
+from probkv.eval import generate_examples, job, write_examples
 from probkv.eval.config import FULL, RunConfig, file_sha256
 from probkv.eval.plan import job_key
 from probkv.eval.runner import run_eval
@@ -90,7 +89,7 @@ def test_failure_mid_run_keeps_finished_jobs(
     tiny_dir, data_file, tmp_path, monkeypatch, run_config
 ):
     cfg = run_config(tiny_dir, data_file, methods=("full", "snapkv"), ratios=(0.25, 0.5))
-    real = rn.run_unit
+    real = job.run_unit  # what the hf engine runs each unit with (probkv.eval.engines)
     calls = {"n": 0}
 
     def failing(*args, **kwargs):
@@ -99,12 +98,12 @@ def test_failure_mid_run_keeps_finished_jobs(
             raise RuntimeError("injected failure")
         yield from real(*args, **kwargs)
 
-    monkeypatch.setattr(rn, "run_unit", failing)
+    monkeypatch.setattr(job, "run_unit", failing)
     with pytest.raises(RuntimeError, match="injected"):
         run_eval(cfg, tmp_path / "run", progress=False)
     partial = read_results(tmp_path / "run" / RESULTS_FILE)
     assert len(partial) == 3  # units 1 (full) and 2 (snapkv at two ratios) of example 1
-    monkeypatch.setattr(rn, "run_unit", real)
+    monkeypatch.setattr(job, "run_unit", real)
     report = run_eval(cfg, tmp_path / "run", progress=False)
     assert report.jobs_skipped == 3 and report.jobs_run == report.jobs_total - 3
     rows = read_results(tmp_path / "run" / RESULTS_FILE)

@@ -26,7 +26,8 @@ from probkv.cli.args import (
     positive_int,
     ratio_list,
 )
-from probkv.eval.config import ENGINES, RunConfig
+from probkv.eval.config import RunConfig
+from probkv.eval.engines import ENGINES, check_engine_run
 from probkv.eval.outputs import check_output_file, check_output_folder
 from probkv.eval.store import RESULTS_FILE, SUMMARY_JSON, SUMMARY_MD
 from probkv.eval.summary import summary_markdown
@@ -118,7 +119,7 @@ def _add_eval(subparsers: argparse._SubParsersAction) -> None:
     add_dtype_argument(ev)
     ev.add_argument(
         "--engine",
-        choices=ENGINES,
+        choices=tuple(ENGINES),
         default="hf",
         help="hf (default): transformers, one job at a time; vllm: one vLLM engine with "
         "probkv's plugin (pip install 'probkv[vllm]'), question-aware only, whole-block "
@@ -203,7 +204,6 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
 
 def run_eval_command(args: argparse.Namespace) -> int:
     """``probkv eval``: build the configuration (everything checked first), run, summarise."""
-    from probkv.eval.engines import check_engine_run
     from probkv.eval.runner import run_eval  # loads transformers: only when eval runs
 
     check_example_arguments(args)

@@ -47,10 +47,6 @@ IDENTITY_KEYS = (
 #: What an identity key means when a run folder's config.json predates it (older probkv).
 IDENTITY_DEFAULTS = {"truncate_middle": False, "dtype": "float32", "engine": "hf"}
 
-#: Engines that run the jobs: transformers through ``probkv.hf`` (``hf``), or one vLLM engine
-#: with probkv's plugin (``vllm``, :mod:`probkv.eval.engines`).
-ENGINES = ("hf", "vllm")
-
 
 def canonical_method(spec: str) -> str:
     """The registry's canonical name of a method spec (``probkv.policies.method_name``);
@@ -92,8 +88,10 @@ class RunConfig:
             without it such an example is refused before any job runs.
         dtype: the model's dtype, ``"float32"`` or ``"bfloat16"``; ``"auto"`` is resolved
             here to the one this machine computes natively (:mod:`probkv.models.dtypes`).
-        engine: ``"hf"`` (default) or ``"vllm"`` (:data:`ENGINES`; what vLLM can run is
-            checked by :func:`probkv.eval.engines.check_engine_run`).
+        engine: the name of the engine that runs the jobs, one of
+            :data:`probkv.eval.engines.ENGINES` (``"hf"``, the default, or ``"vllm"``);
+            checked there with what that engine can run
+            (:func:`probkv.eval.engines.check_engine_run`, the runner's first check).
     """
 
     model: str
@@ -156,7 +154,8 @@ class RunConfig:
         if not isinstance(self.truncate_middle, bool):
             raise ValueError(f"truncate_middle must be True or False, got {self.truncate_middle!r}")
         check_dtype_name(self.dtype)
-        check_choice(self.engine, ENGINES, "engine")
+        if not isinstance(self.engine, str) or not self.engine:
+            raise ValueError(f"engine must be an engine's name, got {self.engine!r}")
         object.__setattr__(self, "dtype", resolve_dtype_name(self.dtype))
 
     def jobs_per_example(self) -> list[tuple[str, float]]:

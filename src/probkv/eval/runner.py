@@ -39,17 +39,12 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from probkv._checks import check_positive_int
-from probkv.eval.batching import plan_batches, run_batch
 from probkv.eval.config import FULL, RunConfig, config_identity
-from probkv.eval.engines import check_engine_model, check_engine_run, vllm_rows
+from probkv.eval.engines import check_engine_model, check_engine_run, engine_for
 from probkv.eval.examples import Example
 from probkv.eval.job import (
-    JobSettings,
     check_prompts,
-    job_prompt_ids,
     load_prepared_model,
-    run_unit,
-    split_prompt,
 )
 from probkv.eval.outputs import check_output_folder
 from probkv.eval.plan import Unit, job_key, load_run_examples, plan_units
@@ -65,9 +60,7 @@ from probkv.eval.store import (
     read_numbered_results,
 )
 from probkv.eval.summary import format_bytes, summarize, summary_markdown, write_summary
-from probkv.eval.workers import run_in_workers
 from probkv.models import (
-    load_model_config,
     load_tokenizer,
     max_positions,
     model_max_positions,
@@ -130,9 +123,9 @@ def run_eval(
     once and use ``threads`` torch threads. ``reuse_prefill=False`` gives every job its own
     prefill (same rows, slower; :mod:`probkv.eval.plan`). ``batch_size > 1`` runs units of
     several examples with the same jobs together (same rows; :mod:`probkv.eval.batching`).
-    ``config.engine == "vllm"`` runs every job through one vLLM engine over
-    ``tensor_parallel_size`` ranks (:mod:`probkv.eval.engines`, which refuses what that engine
-    cannot run, first; it batches requests itself, so ``batch_size`` is the HF engine's).
+    ``config.engine`` names the engine that runs the jobs (:mod:`probkv.eval.engines`: ``hf``,
+    or ``vllm``, one vLLM engine over ``tensor_parallel_size`` ranks, which batches requests
+    itself, so ``batch_size`` is the HF engine's); it refuses what it cannot run, first.
 
     The steps, in order: :func:`_check_run` (before loading anything), :func:`_load_model`,
     :func:`_run_examples`, then, with the folder locked, :func:`_finished_rows` (the rows a
@@ -227,9 +220,9 @@ def _check_run(
 
 
 def _load_model(config: RunConfig, workers: int, threads: int) -> tuple[Any, Any, int]:
-    """The model (``None`` where workers or the vLLM engine load it), its tokenizer and its
-    limit in positions."""
-    if workers == 1 and config.engine == "hf":
+    """The model (``None`` where the engine loads it elsewhere: workers, vLLM), its tokenizer
+    and its limit in positions."""
+    if engine_for(config).loads_model(workers):
         model, tokenizer = load_prepared_model(config.model, threads, config.dtype)
         return model, tokenizer, max_positions(model.config)
     # the workers load the model; this process needs its tokenizer and limit only
@@ -276,23 +269,19 @@ def _row_stream(
     batch_size: int,
     tensor_parallel_size: int | None,
 ) -> Iterator[dict[str, Any]]:
-    """The pending ``units``' rows, lazily, from the engine that runs them: one vLLM engine,
-    this process (one unit or one batch at a time) or ``workers`` processes."""
-    settings = JobSettings(
-        config.model, config.question_aware, config.seed, config.truncate_middle, config.dtype
+    """The pending ``units``' rows, lazily, from the engine of ``config.engine``
+    (:mod:`probkv.eval.engines`)."""
+    return engine_for(config).rows(
+        config,
+        units,
+        model,
+        tokenizer,
+        limit,
+        workers=workers,
+        threads=threads,
+        batch_size=batch_size,
+        tensor_parallel_size=tensor_parallel_size,
     )
-    batches = [[u] for u in units]
-    if batch_size > 1 and config.engine == "hf":
-        model_config = model.config if model is not None else load_model_config(config.model)
-        length = _question_length(config, tokenizer, limit, model_config)
-        batches = plan_batches(units, batch_size, length)
-    if config.engine == "vllm":
-        return vllm_rows(config, units, tokenizer, limit, tensor_parallel_size=tensor_parallel_size)
-    if workers == 1 and batch_size == 1:
-        return (r for u in units for r in run_unit(model, tokenizer, u, settings))
-    if workers == 1:
-        return (r for b in batches for r in run_batch(model, tokenizer, b, settings))
-    return run_in_workers(batches, settings, min(workers, len(batches)), threads)
 
 
 def _append_rows(
@@ -315,19 +304,3 @@ def _append_rows(
             run += 1
             bar.update(1)
     return run
-
-
-def _question_length(config: RunConfig, tokenizer, limit: int, model_config):
-    """``plan_batches``' key for a model with sliding-window layers (a batch's questions must
-    have one length there: ``probkv.eval.batching``), else ``None``."""
-    layer_types = getattr(model_config.get_text_config(decoder=True), "layer_types", None)
-    if "sliding_attention" not in (layer_types or ()):
-        return None
-
-    def length(unit) -> int:
-        context, question, _ = job_prompt_ids(
-            unit.example, tokenizer, limit, truncate_middle=config.truncate_middle
-        )
-        return len(split_prompt(context, question, config.question_aware)[1])
-
-    return length
