@@ -23,6 +23,10 @@ def test_shipped_scorers_load_with_their_form_shapes_and_deterministic_scores():
     scorers = {s.name: s for s in sg.shipped_scorers()}
     assert {"smollm2-135m", "gemma3-270m"} <= set(scorers)
     assert scorers["smollm2-135m"].form == "mlp"
+    # its default threshold, chosen on training-seed prompts, with the measurements behind it
+    assert scorers["smollm2-135m"].threshold == -5.0
+    choice = scorers["smollm2-135m"].metrics["threshold_choice"]
+    assert choice["by_threshold"]["-5"]["answers_kept"] >= 0.99
     for scorer in scorers.values():
         shapes = scorer.model["shapes"]
         hkv, d = shapes["num_key_value_heads"], shapes["head_dim"]
