@@ -70,7 +70,7 @@ def scorers_arg(text: str) -> list[tuple[str, str]]:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--lengths", default="4096")
@@ -80,7 +80,7 @@ def main() -> None:
     parser.add_argument("--ratio", type=float, default=0.5)
     parser.add_argument("--scorers", type=scorers_arg, default=[("shipped", "")])
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model, dtype=resolve_dtype(args.dtype))
     prompt = repeat_prompt(tokenizer)
@@ -125,7 +125,8 @@ def main() -> None:
                 f"  {name:32s} wall {wall:7.2f} s ({wall / plain[0]:.2f}x)   "
                 f"CPU {cpu:7.2f} s ({cpu / plain[1]:.2f}x)"
             )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
