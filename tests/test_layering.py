@@ -386,3 +386,26 @@ def test_private_uses_sees_both_spellings(tmp_path, monkeypatch):
         "probkv.probe imports probkv.sampling._x",
         "probkv.probe reads probkv.hf.guards._y",
     ]
+
+
+MAX_FUNCTION_LINES = 100
+
+
+def long_functions(limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """Every function (or method) of probkv longer than ``limit`` lines, its decorators and
+    docstring included."""
+    out = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                if node.end_lineno - first + 1 > limit:
+                    out.append(f"{module}.{node.name}: {node.end_lineno - first + 1} lines")
+    return out
+
+
+def test_no_function_is_over_100_lines():
+    """Issue 41: a function a newcomer can read in one screenful or two; split longer ones
+    into named steps (as ``probkv.eval.runner.run_eval`` is)."""
+    assert long_functions() == []
+    assert long_functions(limit=60)  # the check does see functions and count their lines
