@@ -19,6 +19,8 @@ def engine_options(
     report: str | None = None,
     block_size: int = 32,
     log_weights: bool | None = None,
+    max_entries: int | None = None,
+    every: int | None = None,
 ) -> dict:
     """Keyword arguments of ``vllm.LLM`` (or ``EngineArgs``) that switch probkv on:
     ``LLM(model, **engine_options("snapkv", 0.5))``. Prefix caching stays as the engine
@@ -26,12 +28,18 @@ def engine_options(
     vLLM's CPU backend takes (its default is 128), and smaller blocks lose fewer answers
     (docs/evaluation.md, model-wide blocks). ``log_weights``: whether the KV cache holds the
     log-weights that ``prob:`` requests need (spare key columns: 1.25x the bytes per position
-    for 64-wide heads); None: when ``method`` is a ``prob:`` one."""
+    for 64-wide heads); None: when ``method`` is a ``prob:`` one. ``max_entries`` B and
+    ``every`` K: a decode budget for every request that does not set its own
+    (``probkv.vllm.budget``)."""
     from probkv.vllm.options import read_options
 
     raw = {"method": method, "ratio": ratio, **({"report": report} if report else {})}
     if log_weights is not None:
         raw["log_weights"] = log_weights
+    if max_entries is not None:
+        raw["max_entries"] = max_entries
+    if every is not None:
+        raw["every"] = every
     read_options(raw)
     return {
         "additional_config": {KEY: raw},

@@ -14,10 +14,16 @@ vLLM's slot mapping wrote it.
 A chunk that crosses the prompt's end (a request recomputed after a preemption, whose kept set
 is already known) is split in two sequences of the kernel: its prompt rows read the whole
 prompt causally (what they read the first time), its later rows the compact sequence.
+
+Under a decode budget (``probkv.vllm.budget``) a request evicts again at later stages: each
+stage's plan has the stage's length as its ``prompt_length`` and the plans before it as
+``earlier``. A recomputed chunk is then split at every stage's length: the rows between two
+stages read the compact sequence of the plan in force when they were first computed.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -28,11 +34,14 @@ class CompactPlan:
     """Which logical blocks of a request attention reads once its prompt is evicted.
 
     ``prompt_length``: t; ``kept_blocks``: the kept logical blocks that lie wholly inside the
-    prompt (sorted int64; blocks ``>= t // block_size`` are always read)."""
+    prompt (sorted int64; blocks ``>= t // block_size`` are always read). Under a decode
+    budget t is the length at the stage that made the plan, and ``earlier`` holds the plans
+    of the stages before it, the prompt's first (module docstring)."""
 
     prompt_length: int
     kept_blocks: torch.Tensor
     block_size: int
+    earlier: tuple[CompactPlan, ...] = ()
 
     def __post_init__(self) -> None:
         whole = self.prompt_length // self.block_size
@@ -44,6 +53,14 @@ class CompactPlan:
                 f"kept_blocks must be sorted distinct blocks inside the prompt's {whole} whole "
                 f"blocks, got {k.tolist()}"
             )
+        lengths = [p.prompt_length for p in self.earlier] + [self.prompt_length]
+        if any(a >= b for a, b in itertools.pairwise(lengths)):
+            raise ValueError(f"earlier plans must end at increasing lengths, got {lengths}")
+
+    @property
+    def first_length(self) -> int:
+        """The prompt's length: where the first plan starts to apply."""
+        return self.earlier[0].prompt_length if self.earlier else self.prompt_length
 
     @property
     def evicted(self) -> int:
@@ -96,15 +113,16 @@ def compact(
     width = block_table.shape[1]
     prompt = torch.tensor([p.prompt_length if p else 0 for p in plans], dtype=torch.int64)
     evicted = torch.tensor([p.evicted if p else 0 for p in plans], dtype=torch.int64)
+    first = torch.tensor([p.first_length if p else 0 for p in plans], dtype=torch.int64)
     has_plan = torch.tensor([p is not None for p in plans], dtype=torch.bool)
     after = has_plan & (starts >= prompt)  # every query after the prompt: compact
-    crossing = has_plan & (starts < prompt) & (seq_lens.to(torch.int64) > prompt)
+    crossing = has_plan & (starts < prompt) & (seq_lens.to(torch.int64) > first)
     if index is None:
         index = block_indices(plans, width)
     table = torch.where(after.unsqueeze(1), block_table.gather(1, index), block_table)
     lens = torch.where(after, seq_lens.to(torch.int64) - evicted, seq_lens.to(torch.int64))
     if bool(crossing.any()):
-        return _split(qsl, lens, table, block_table, index, crossing, prompt, evicted, seq_lens,
+        return _split(qsl, lens, table, block_table, index, crossing, plans, seq_lens,
                       query_start_loc.dtype)  # fmt: skip
     lens = lens.to(seq_lens.dtype)
     return CompactMetadata(
@@ -125,8 +143,10 @@ def block_indices(plans: list[CompactPlan | None], width: int) -> torch.Tensor:
     return torch.stack([identity if p is None else p.block_index(width) for p in plans])
 
 
-def _split(qsl, lens, table, full_table, index, crossing, prompt, evicted, seq_lens, qsl_dtype):
-    """``compact`` when some rows cross the prompt's end (after a preemption: rare)."""
+def _split(qsl, lens, table, full_table, index, crossing, plans, seq_lens, qsl_dtype):
+    """``compact`` when some rows cross the prompt's end, or a stage's (after a preemption:
+    rare): each crossing row becomes one sequence per plan its rows were first computed
+    under, the prompt's rows one more, reading the whole prompt causally."""
     out_qsl, out_lens, out_rows = [0], [], []
     for r in range(lens.numel()):
         hi = int(qsl[r + 1])
@@ -135,11 +155,25 @@ def _split(qsl, lens, table, full_table, index, crossing, prompt, evicted, seq_l
             out_lens.append(int(lens[r]))
             out_rows.append(table[r])
             continue
-        t, n = int(prompt[r]), int(seq_lens[r])
-        cut = hi - (n - t)  # the first query row after the prompt
-        out_qsl += [cut, hi]
-        out_lens += [t, n - int(evicted[r])]
-        out_rows += [full_table[r], full_table[r].gather(0, index[r])]
+        plan, n = plans[r], int(seq_lens[r])
+        start = n - (hi - int(qsl[r]))  # the chunk's first position
+        stages = [*plan.earlier, plan]
+        ends = [p.prompt_length for p in stages[1:]] + [n]
+        segments = [(None, stages[0].prompt_length), *zip(stages, ends, strict=True)]
+        lo_pos = 0
+        for stage, end in segments:  # rows [lo_pos, end) read under ``stage`` (None: whole)
+            a, b = max(lo_pos, start), min(end, n)
+            lo_pos = end
+            if a >= b:
+                continue
+            out_qsl.append(hi - (n - b))
+            if stage is None:
+                out_lens.append(b)
+                out_rows.append(full_table[r])
+            else:
+                row_index = index[r] if stage is plan else stage.block_index(index.shape[1])
+                out_lens.append(b - stage.evicted)
+                out_rows.append(full_table[r].gather(0, row_index))
     q = torch.tensor(out_qsl, dtype=qsl_dtype)
     lens_t = torch.tensor(out_lens, dtype=seq_lens.dtype)
     return CompactMetadata(

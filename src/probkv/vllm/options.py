@@ -4,7 +4,10 @@ The option: ``additional_config={"probkv": {"method": NAME, "ratio": R}}`` (``vl
 --additional-config '{"probkv": {...}}'``), with the method names of ``probkv eval`` (S1-S11;
 ``docs/methods.md``). A request may override both with flat ``extra_args`` keys,
 ``{"probkv_method": NAME, "probkv_ratio": R}``: ``request_options(NAME, R)`` in Python, the same
-keys in ``vllm_xargs`` over HTTP (vLLM takes only flat values there). ``check_request`` is every
+keys in ``vllm_xargs`` over HTTP (vLLM takes only flat values there). A decode budget (S10.5,
+``probkv.vllm.budget``) is ``"max_entries": B, "every": K`` in the engine's option (the names of
+``ProbKVCache(max_entries=B, every=K)``) or ``probkv_max_entries`` / ``probkv_every`` in a
+request's (``probkv_max_entries=0``: no budget for that request). ``check_request`` is every
 refusal of a request, run at admission (``probkv.vllm.admission``). Everything here is pure
 Python on vLLM's config objects, read by attribute; nothing is imported from vLLM.
 """
@@ -22,9 +25,10 @@ from probkv.scores.scorer_lookup import model_shapes, with_scorer
 
 KEY = "probkv"
 TESTED_VLLM = "0.32"  # the minor version the plugin was written and tested against
-OPTION_KEYS = ("method", "ratio", "report", "log_weights")
+OPTION_KEYS = ("method", "ratio", "report", "log_weights", "max_entries", "every")
 METHOD_KEY, RATIO_KEY = f"{KEY}_method", f"{KEY}_ratio"  # a request's flat extra_args keys
-REQUEST_KEYS = (METHOD_KEY, RATIO_KEY)
+MAX_ENTRIES_KEY, EVERY_KEY = f"{KEY}_max_entries", f"{KEY}_every"  # its decode budget
+REQUEST_KEYS = (METHOD_KEY, RATIO_KEY, MAX_ENTRIES_KEY, EVERY_KEY)
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 WORKER = "probkv.vllm.worker.ProbKVWorker"
 SCHEDULER = "probkv.vllm.scheduler.ProbKVScheduler"
@@ -38,12 +42,15 @@ class EngineEviction:
     """The engine's default method and ratio, where the scheduler appends one JSON row per
     evicted request (``report``; None: nowhere), and whether its KV cache holds log-weights
     (``log_weights``; None: when its method is a ``prob:`` one), which ``prob:`` requests need
-    (spare key columns, ``probkv.vllm.weights``)."""
+    (spare key columns, ``probkv.vllm.weights``). ``max_entries`` / ``every``: a decode budget
+    (``probkv.vllm.budget``; None: the prompt's eviction only)."""
 
     method: str
     ratio: float
     report: str | None = None
     log_weights: bool | None = None
+    max_entries: int | None = None
+    every: int | None = None
 
     @property
     def weighted(self) -> bool:
@@ -92,15 +99,53 @@ def read_options(raw: object, where: str = "additional_config['probkv']") -> Eng
     if not isinstance(method, str):
         raise ValueError(f"{where}['method'] must be a method name, got {method!r}")
     parse_method(method, ratio)  # names the bad method or ratio
-    return EngineEviction(method, float(ratio), report, log_weights)
+    max_entries, every = _budget_values(
+        raw.get("max_entries"), raw.get("every"), f"{where}['max_entries']", f"{where}['every']"
+    )
+    return EngineEviction(method, float(ratio), report, log_weights, max_entries, every)
 
 
-def request_options(method: str, ratio: float) -> dict:
+def _budget_values(
+    max_entries: object, every: object, max_name: str, every_name: str
+) -> tuple[int | None, int | None]:
+    """A decode budget's ``max_entries`` (B, positions; 0 or None: no budget) and ``every``
+    (K new tokens between stages; only with B), checked: ``(B, K)`` or ``(None, None)``."""
+    for name, value in ((max_name, max_entries), (every_name, every)):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0
+        ):
+            raise ValueError(
+                f"{name} must be a whole number of positions >= 1 (0: no decode budget for "
+                f"{max_name}), got {value!r}"
+            )
+    if not max_entries:
+        if every is not None:
+            raise ValueError(
+                f"{every_name}={every!r} needs a decode budget: set {max_name} to the positions "
+                "a request keeps (B), every to the new tokens between stages (K)"
+            )
+        return None, None
+    if every is not None and every < 1:
+        raise ValueError(f"{every_name} must be >= 1 new token between stages, got {every!r}")
+    return int(max_entries), None if every is None else int(every)
+
+
+def request_options(
+    method: str, ratio: float, *, max_entries: int | None = None, every: int | None = None
+) -> dict:
     """``SamplingParams.extra_args`` that make one request use ``method`` at ``ratio``: the
     flat keys a client sends in ``vllm_xargs`` over HTTP (the name and ratio checked here; what
-    the engine can run is checked at admission, ``check_request``)."""
+    the engine can run is checked at admission, ``check_request``). With ``max_entries`` B
+    (and ``every`` K) the request holds a decode budget instead (``probkv.vllm.budget``: its
+    stages set the ratio, so ``ratio`` is not sent)."""
     _check_name(method, ratio)
-    return {METHOD_KEY: method, RATIO_KEY: float(ratio)}
+    if max_entries is None:
+        if every is not None:
+            _budget_values(None, every, MAX_ENTRIES_KEY, EVERY_KEY)
+        return {METHOD_KEY: method, RATIO_KEY: float(ratio)}
+    b, k = _budget_values(max_entries, every, MAX_ENTRIES_KEY, EVERY_KEY)
+    out = {METHOD_KEY: method, MAX_ENTRIES_KEY: b}
+    return out if k is None else {**out, EVERY_KEY: k}
 
 
 def _check_name(method: object, ratio: object) -> None:
@@ -149,7 +194,22 @@ def request_eviction(extra_args: object, engine: EngineEviction) -> EngineEvicti
     method = ours.get(METHOD_KEY, engine.method)
     ratio = ours.get(RATIO_KEY, engine.ratio)
     _check_name(method, ratio)
-    return EngineEviction(method, float(ratio), engine.report)
+    if MAX_ENTRIES_KEY in ours:
+        max_entries, every = _budget_values(
+            ours[MAX_ENTRIES_KEY], ours.get(EVERY_KEY), MAX_ENTRIES_KEY, EVERY_KEY
+        )
+    else:
+        every = ours.get(EVERY_KEY, engine.every)
+        if EVERY_KEY in ours and engine.max_entries is None:
+            _budget_values(None, every, MAX_ENTRIES_KEY, EVERY_KEY)  # refused: no budget
+        max_entries, every = _budget_values(engine.max_entries, every, MAX_ENTRIES_KEY, EVERY_KEY)
+    if max_entries is not None and RATIO_KEY in ours:
+        raise ValueError(
+            f"{RATIO_KEY}={ours[RATIO_KEY]!r} with a decode budget of {max_entries} positions: "
+            f"the budget sets each stage's ratio; send {MAX_ENTRIES_KEY} alone, or "
+            f"{MAX_ENTRIES_KEY}=0 with {RATIO_KEY} for the prompt's eviction only"
+        )
+    return EngineEviction(method, float(ratio), engine.report, None, max_entries, every)
 
 
 def check_request(
@@ -169,6 +229,10 @@ def check_request(
         policy_for(chosen.method, chosen.ratio, block_size, model, tensor_parallel_size)
     except ValueError as err:
         raise ValueError(f"{METHOD_KEY}={chosen.method!r}: {err}") from None
+    if chosen.max_entries is not None:
+        from probkv.vllm.budget import check_budget
+
+        check_budget(chosen, block_size, model, tensor_parallel_size, MAX_ENTRIES_KEY, EVERY_KEY)
     if weighted(chosen.method, chosen.ratio) and not engine.weighted:
         raise ValueError(
             f"{METHOD_KEY}={chosen.method!r} needs log-weights in the KV cache, which this "
@@ -279,6 +343,14 @@ def check_engine(config) -> EngineEviction | None:
         config.model_config.hf_config,
         getattr(config.parallel_config, "tensor_parallel_size", 1),
     )
+    if options.max_entries is not None:
+        from probkv.vllm.budget import check_budget
+
+        check_budget(
+            options, config.cache_config.block_size, config.model_config.hf_config,
+            getattr(config.parallel_config, "tensor_parallel_size", 1),
+            "additional_config['probkv']['max_entries']", "additional_config['probkv']['every']",
+        )  # fmt: skip
     return options
 
 

@@ -19,8 +19,15 @@ pool gets the block back (``probkv.vllm.internals.free_logical_blocks``).
   observed takes at most the prefix its observation does not need from the cache (the score's
   last query rows, or none for scores built on every row's attention).
 
+- **Decode budgets** (``probkv.vllm.budget``): a request under one evicts again at later
+  stages while it runs; each stage's row frees its newly evicted blocks, and the request's row
+  keeps the union (what a recomputation frees again once it has passed the last stage), the
+  stage count and ``peak_positions``: the most positions it held at the end of a step from its
+  prompt's eviction on (before a stage frees; a recomputation after a preemption holds every
+  position until it passes the last stage, and is counted).
+
 With a ``report`` file (``additional_config['probkv']['report']``) each eviction appends one
-JSON row.
+JSON row, and a request under a budget one more when it finishes (its ``peak_positions``).
 """
 
 from __future__ import annotations
@@ -71,13 +78,21 @@ class ProbKVScheduler(Scheduler):
 
     def update_from_output(self, scheduler_output, model_runner_output):
         evicted = getattr(model_runner_output, OUTPUT_FIELD, None) or {}
+        for req_id, row in self.probkv_evicted.items():  # held positions, before this step frees
+            request = self.requests.get(req_id)
+            if "max_entries" in row and request is not None:
+                held = request.num_computed_tokens
+                if req_id not in self.probkv_recomputing:
+                    held -= len(row["freed"]) * self.block_size
+                row["peak_positions"] = max(row.get("peak_positions", 0), held)
         for req_id, info in evicted.items():
             self._free_evicted(req_id, info)
         for req_id in list(self.probkv_recomputing):
             request = self.requests.get(req_id)
+            row = self.probkv_evicted.get(req_id, {})
             if request is None:
                 self.probkv_recomputing.discard(req_id)
-            elif request.num_computed_tokens >= request.num_prompt_tokens:
+            elif request.num_computed_tokens >= row.get("stage_length", request.num_prompt_tokens):
                 row = self.probkv_evicted[req_id]
                 internals.free_logical_blocks(self, req_id, row["freed"])
                 self.probkv_recomputing.discard(req_id)
@@ -89,7 +104,20 @@ class ProbKVScheduler(Scheduler):
         if request is not None:
             internals.stop_caching_new_blocks(request)
         row = {"request_id": req_id, "freed_blocks": freed, "block_size": self.block_size, **info}
+        earlier = self.probkv_evicted.get(req_id)
+        if earlier is not None and "max_entries" in info:  # a later stage of a decode budget
+            held = earlier.get("peak_positions", 0)
+            row = {**earlier, **info, "freed_blocks": earlier["freed_blocks"] + freed}
+            row["freed"] = sorted(set(earlier["freed"]) | set(info["freed"]))
+            row["peak_positions"] = held
+        elif "max_entries" in info and request is not None:
+            row["peak_positions"] = (
+                request.num_computed_tokens - len(info["freed"]) * self.block_size
+            )
         self.probkv_evicted[req_id] = row
+        self._report(row)
+
+    def _report(self, row: dict) -> None:
         if self.probkv is not None and self.probkv.report:
             report = {k: v for k, v in row.items() if k != "freed"}
             with open(self.probkv.report, "a", encoding="utf-8") as f:
@@ -102,6 +130,8 @@ class ProbKVScheduler(Scheduler):
         return super()._preempt_request(request, *args, **kwargs)
 
     def _free_request(self, request, *args, **kwargs):
-        self.probkv_evicted.pop(request.request_id, None)
+        row = self.probkv_evicted.pop(request.request_id, None)
+        if row is not None and "max_entries" in row:  # its peak, now final
+            self._report({**row, "finished": True})
         self.probkv_recomputing.discard(request.request_id)
         return super()._free_request(request, *args, **kwargs)

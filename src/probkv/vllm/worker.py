@@ -21,7 +21,7 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_b
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from probkv.vllm import compaction, internals
+from probkv.vllm import budget, compaction, internals
 from probkv.vllm import options as opts
 from probkv.vllm.paged import LAYER_INDEX, read_cache
 from probkv.vllm.requests import RequestEviction, tensor_parallel_policy
@@ -79,6 +79,7 @@ class WorkerEviction:
         self.tensor_parallel_size = tensor_parallel_size
         self.requests: dict[str, RequestEviction] = {}
         self.pending: dict[str, dict] = {}
+        self.stages: dict[str, budget.RequestStages] = {}  # requests under a decode budget
         self.layers: tuple[int, ...] | None = None
         self.scale: float | None = None
         self.step = NO_NOTES  # compact_metadata's notes for this step
@@ -89,6 +90,9 @@ class WorkerEviction:
         """A new request: its policy from its ``extra_args`` or the engine's option."""
         chosen = opts.request_eviction(getattr(sampling_params, "extra_args", None), self.engine)
         method, ratio = chosen.method, chosen.ratio
+        limit = budget.request_budget(chosen, self.block_size)
+        if limit is not None:  # stage 1: the prompt evicted down to B (probkv.vllm.budget)
+            ratio = limit.prompt_ratio(prompt_length)
         policy = opts.policy_for(
             method, ratio, self.block_size, self.model, self.tensor_parallel_size
         )
@@ -101,17 +105,23 @@ class WorkerEviction:
         self.requests[req_id] = RequestEviction(
             policy, prompt_length, self.block_size, self.layers, self.scale
         )
+        stages = budget.start(chosen, self.requests[req_id], self.block_size)
+        if stages is not None:
+            self.stages[req_id] = stages
 
     def restart(self, req_id: str) -> None:
         """A request vLLM resumed after a preemption (``RequestEviction.restart``)."""
         request = self.requests.get(req_id)
         if request is not None:
             request.restart()
+        if req_id in self.stages:
+            self.stages[req_id].restart()
 
     def finish(self, req_ids) -> None:
         for req_id in req_ids:
             self.requests.pop(req_id, None)
             self.pending.pop(req_id, None)
+            self.stages.pop(req_id, None)
 
     def compact_metadata(self, common):
         """The step's attention metadata (vLLM's ``CommonAttentionMetadata``, once per step
@@ -145,6 +155,8 @@ class WorkerEviction:
                     blocks = table[row, kept.positions // self.block_size].to(torch.int64)
                     writes.append((blocks, kept.positions % self.block_size, kept.log_weights))
                     request.weights_due = False
+        if self.stages:  # requests under a decode budget: window rows, due stages
+            work += budget.step_work(self.stages, req_ids, requests, starts, seq_lens)
         self.step = StepNotes(
             work,
             table,
@@ -181,6 +193,9 @@ class WorkerEviction:
         key_cache, value_cache = caches
         for row, request, lo, hi, n in self.step.work:
             rows = query[lo:hi]
+            if isinstance(request, budget.RequestStages):  # a decode budget's work
+                request.attend(layer, rows, caches, layout, self.step.table[row], n)
+                continue
             if not request.needs_entries(n):
                 request.add_chunk(layer, rows.transpose(0, 1).float(), None, None, t=n)
                 continue  # an early chunk: only its last query rows are kept
@@ -214,6 +229,8 @@ class WorkerEviction:
                     "method": opts_name(request),
                     "ratio": request.policy.ratio,
                 }
+        if self.stages:
+            budget.after_forward(self.stages, self.requests, self.pending, gather)
 
     def attach(self, output):
         if self.pending and isinstance(output, ModelRunnerOutput):
