@@ -7,6 +7,12 @@ shared-document chats (run each under ``flock /tmp/bench.lock`` on a shared mach
     .venv-vllm/bin/python benchmarks/bench_serve.py --shape long
     .venv-vllm/bin/python benchmarks/bench_serve.py --shape short
     .venv-vllm/bin/python benchmarks/bench_serve.py --shape shared-doc
+    .venv-vllm/bin/python benchmarks/bench_serve.py --shape long-output
+
+``long-output`` (issue 40): 512 prompt tokens, 1,024 new tokens, 16 prompts: ``plain`` under C,
+``ideal`` plain vLLM with memory for every request at once (``plain, memory for all``), and
+``evict`` each method under C held to a decode budget (``--max-entries`` B = 256, ``--every``
+K = 32; ``probkv.vllm.budget``), whose report gives each request's ``peak_positions``.
 
 ``long``: 2,048 prompt tokens, 256 new tokens; ``short``: 1,024 and 32; both 16 prompts of
 vLLM's random dataset (``--random-range-ratio 0``: every prompt and output of that length,
@@ -62,7 +68,9 @@ SHAPES = {  # prompt (document) tokens, new tokens, prompts
     "long": (2048, 256, 16),
     "short": (1024, 32, 16),
     "shared-doc": (1400, 32, 6),
+    "long-output": (512, 1024, 16),  # issue 40: a decode budget (max_entries, every)
 }
+IDEAL_ALL = "plain, memory for all"  # long-output's ideal: every request whole at once
 REFUSED = "server refused to start"
 QUESTION_TOKENS = 20  # shared-doc: each chat's own question after the document
 # vLLM's serving benchmark as vLLM's own `vllm bench serve` calls it (its add_cli_args and
@@ -84,6 +92,8 @@ class Config:
     method: str | None = None
     ratio: float = 0.0
     prefix_caching: bool = False
+    max_entries: int | None = None  # long-output: the decode budget B
+    every: int | None = None  # and K
 
 
 @dataclass
@@ -102,6 +112,7 @@ class Row:
     mean_prompt_tokens: float | None = None
     peak_running: int | None = None
     preemptions: int | None = None
+    peak_positions: int | None = None  # long-output: the most any request held (its report)
     evicted_requests: int = 0
     mean_freed_blocks: float | None = None
     mean_freed_share: float | None = None
@@ -124,6 +135,8 @@ def parse_args(argv):
     ap.add_argument("--methods", help="default snapkv,prob:snapkv,prob:kvzap (shared-doc: snapkv)")
     ap.add_argument("--ratios", help="default 0.5,0.75 (shared-doc: 0.5)")
     ap.add_argument("--configs", default="plain,ideal,evict", help="which configurations to run")
+    ap.add_argument("--max-entries", type=int, default=256, help="long-output: the budget B")
+    ap.add_argument("--every", type=int, default=32, help="long-output: K, tokens between stages")
     ap.add_argument(
         "--prefix-caching",
         action="store_true",
@@ -141,13 +154,20 @@ def parse_args(argv):
     args.output_len = args.output_len or new
     args.num_prompts = args.num_prompts or prompts
     args.full_requests = args.full_requests or (args.num_prompts if shared else 4)
-    default_methods = "snapkv" if shared else "snapkv,prob:snapkv,prob:kvzap"
+    default_methods = (
+        "snapkv" if shared or args.shape == "long-output" else "snapkv,prob:snapkv,prob:kvzap"
+    )
     args.methods = [m for m in (args.methods or default_methods).split(",") if m]
     args.ratios = [float(r) for r in (args.ratios or ("0.5" if shared else "0.5,0.75")).split(",")]
     args.configs = args.configs.split(",")
     unknown = sorted(set(args.configs) - {"plain", "ideal", "evict"})
     if unknown:
         raise ValueError(f"--configs takes plain, ideal, evict; got {unknown}")
+    if args.max_entries < BLOCK or args.every < 1:
+        raise ValueError(
+            f"--max-entries must be >= {BLOCK} (one block) and --every >= 1, got "
+            f"{args.max_entries} and {args.every}"
+        )
     if not all(0 < r < 1 for r in args.ratios):
         raise ValueError(f"--ratios must lie in (0, 1), got {args.ratios}")
     args.out = Path(args.out or f"results/bench_serve_{args.shape}.json")
@@ -182,6 +202,13 @@ def configurations(args, per_request: int) -> list[Config]:
         return out
     pc = args.prefix_caching
     out = [Config("plain C", cap, prefix_caching=pc)] if "plain" in args.configs else []
+    if args.shape == "long-output":  # a decode budget under C, against C and memory for all
+        if "ideal" in args.configs:
+            out.append(Config(IDEAL_ALL, args.num_prompts * per_request, prefix_caching=pc))
+        if "evict" in args.configs:
+            b, k = args.max_entries, args.every
+            out += [Config(f"{m} B={b} K={k}", cap, m, 0.5, pc, b, k) for m in args.methods]
+        return out
     if "ideal" in args.configs:
         out += [
             Config(f"plain C/(1-{r})", math.ceil(cap / (1 - r)), prefix_caching=pc)
@@ -262,6 +289,8 @@ def server_command(args, model_dir: Path, port: int, cfg: Config, report: Path) 
     cmd.append("--enable-prefix-caching" if cfg.prefix_caching else "--no-enable-prefix-caching")
     if cfg.method:
         option = {"method": cfg.method, "ratio": cfg.ratio, "report": str(report)}
+        if cfg.max_entries is not None:
+            option.update(max_entries=cfg.max_entries, every=cfg.every)
         cmd += flags(additional_config=json.dumps({"probkv": option}))
     return cmd
 
@@ -398,6 +427,11 @@ def run_config(args, model_dir: Path, cfg: Config, work: Path) -> Row:
         row.mean_prompt_tokens = res["total_input_tokens"] / max(res["completed"], 1)
         if report.exists():
             evicted = [json.loads(x) for x in report.read_text().splitlines() if x.strip()]
+            if cfg.max_entries is not None:  # one row per stage: each request's last
+                last = {e["request_id"]: e for e in evicted}
+                evicted = list(last.values())
+                peaks = [e["peak_positions"] for e in evicted if "peak_positions" in e]
+                row.peak_positions = max(peaks) if peaks else None
             row.evicted_requests = len(evicted)
             if evicted:
                 row.mean_freed_blocks = sum(e["freed_blocks"] for e in evicted) / len(evicted)
@@ -420,8 +454,10 @@ def ratio_pairs(rows: list[Row], shape: str) -> list[tuple[Row, Row]]:
         return [(r, base) for r in rows if base is not None and r is not base]
     for r in rows:
         cfg, names = r.config, []
-        if cfg.name.startswith("plain C/"):
+        if cfg.name.startswith("plain C/") or cfg.name == IDEAL_ALL:
             names = ["plain C"]
+        elif cfg.max_entries is not None:
+            names = ["plain C", IDEAL_ALL]
         elif cfg.method:
             names = ["plain C", f"plain C/(1-{cfg.ratio})"]
             if cfg.method.startswith("prob:"):
@@ -444,7 +480,13 @@ def report_rows(args, rows: list[Row], per_request: int) -> list[dict]:
         f"\n{args.shape}: {args.num_prompts} prompts of {args.input_len} tokens"
         + (f" (+ {QUESTION_TOKENS}-token questions)" if args.shape == "shared-doc" else "")
         + f", {args.output_len} new tokens; a full request = {per_request} blocks of {BLOCK}; "
-        f"C = {n} full requests; prefix caching "
+        f"C = {n} full requests; "
+        + (
+            f"budget B = {args.max_entries}, K = {args.every}; "
+            if args.shape == "long-output"
+            else ""
+        )
+        + "prefix caching "
         + (
             "per configuration"
             if args.shape == "shared-doc"
@@ -455,9 +497,10 @@ def report_rows(args, rows: list[Row], per_request: int) -> list[dict]:
     )
     print(
         "\n| config | cap blocks (vLLM's) | admits | wall s | req/s | output tok/s | median "
-        "TTFT ms | median TPOT ms | peak running | preempted | freed blocks (share) | load |"
+        "TTFT ms | median TPOT ms | peak running | preempted | freed blocks (share) | "
+        "peak positions | load |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         made = r.num_gpu_blocks
         admits = (made - 1) // per_request if made else None
@@ -476,7 +519,7 @@ def report_rows(args, rows: list[Row], per_request: int) -> list[dict]:
             f"| {r.config.name} | {r.config.blocks} ({fmt(made, 'd')}) | {fmt(admits, 'd')} | "
             f"{r.duration_s:.1f} | {r.req_s:.3f} | {r.output_tok_s:.2f} | "
             f"{r.median_ttft_ms:.0f} | {r.median_tpot_ms:.0f} | {fmt(r.peak_running, 'd')} | "
-            f"{fmt(r.preemptions, 'd')} | {freed} | "
+            f"{fmt(r.preemptions, 'd')} | {freed} | {fmt(r.peak_positions, 'd')} | "
             f"{' -> '.join(f'{x:.2f}' for x in r.load)} |"
         )
     plain = next((r for r in rows if r.config.name == "plain C"), None)

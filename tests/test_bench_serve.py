@@ -47,6 +47,41 @@ def test_ratio_lines_and_the_cap_check(load_benchmark, capsys):
     assert len(ratios) == 1 + 2 + 3
 
 
+def test_the_long_output_shape_runs_a_budget_against_c_and_memory_for_all(
+    load_benchmark, capsys, tmp_path
+):
+    bench = load_benchmark("bench_serve")
+    args = bench.parse_args(["--shape", "long-output", "--methods", "snapkv,tova"])
+    assert (args.input_len, args.output_len, args.num_prompts) == (512, 1024, 16)
+    per_request = 48  # (512 + 1024) / 32
+    configs = bench.configurations(args, per_request)
+    assert [c.name for c in configs] == [
+        "plain C", "plain, memory for all", "snapkv B=256 K=32", "tova B=256 K=32"
+    ]  # fmt: skip
+    assert [c.blocks for c in configs] == [192, 768, 192, 192]
+    config = {"num_attention_heads": 9, "hidden_size": 576, "num_hidden_layers": 30}
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_key_value_heads": 3}))
+    command = bench.server_command(args, tmp_path, 1, configs[2], tmp_path / "r.jsonl")
+    option = json.loads(command[command.index("--additional-config") + 1])["probkv"]
+    assert (option["method"], option["max_entries"], option["every"]) == ("snapkv", 256, 32)
+    rows = []
+    for cfg, speed in zip(configs, (1.0, 1.5, 1.45, 1.4)):
+        row = bench.Row(cfg, cap_bytes=0, num_gpu_blocks=cfg.blocks + 1)
+        row.duration_s, row.req_s, row.output_tok_s = 10 / speed, speed, 1024
+        row.median_ttft_ms, row.median_tpot_ms, row.peak_running = 100.0, 50.0, 4
+        row.peak_positions = 288 if cfg.max_entries else None
+        rows.append(row)
+    ratios = bench.report_rows(args, rows, per_request)
+    out = capsys.readouterr().out
+    assert "budget B = 256, K = 32" in out
+    assert "snapkv B=256 K=32 / plain C: 1.45x req/s" in out
+    assert "snapkv B=256 K=32 / plain, memory for all: 0.97x req/s" in out
+    assert "| 288 |" in out
+    assert len(ratios) == 1 + 2 + 2
+    with pytest.raises(ValueError, match="--max-entries must be >= 32"):
+        bench.parse_args(["--shape", "long-output", "--max-entries", "16"])
+
+
 def test_bad_configs_are_refused(load_benchmark):
     with pytest.raises(ValueError, match=r"--configs takes plain, ideal, evict; got \['x'\]"):
         load_benchmark("bench_serve").parse_args(["--configs", "plain,x"])
