@@ -15,6 +15,11 @@ timestamps (``RequestOutput.metrics``): ``prefill_s`` from being scheduled to th
 ``decode_s`` from the first token to the last; the requests of a batch run concurrently, so
 these are times under batching, not of one request alone.
 
+:meth:`VllmRunner.forced` reads a forced continuation's log-likelihood (``probkv long-decode
+--engine vllm``): each job's tokens are forced by ``probkv.vllm.forcing`` (an engine made with
+``forcing=True``), its log-probabilities are vLLM's raw ones, and its method runs under a decode
+budget (``max_entries``, ``every``; ``probkv.vllm.budget``) as it would while sampling.
+
 This module imports vLLM only when a :class:`VllmRunner` is made, so that the checks
 (:func:`check_methods`) run in any environment and before any engine starts.
 """
@@ -120,6 +125,33 @@ class Result:
     prompt_blocks: int
 
 
+@dataclass(frozen=True)
+class ForcedJob:
+    """A forced continuation: ``continuation`` generated after ``prompt_ids`` under ``method``
+    held to ``max_entries`` positions, a stage every ``every`` tokens (None: no budget; a
+    ``full`` method keeps everything)."""
+
+    prompt_ids: tuple[int, ...]
+    continuation: tuple[int, ...]
+    method: str
+    max_entries: int | None = None
+    every: int | None = None
+
+
+@dataclass(frozen=True)
+class Forced:
+    """A forced run: the mean negative log-likelihood of the continuation (the first token's
+    from the prompt's prefill, the others from decode steps), each token's log-probability,
+    the request's ``peak_positions`` and stage count from the report (None without a budget)
+    and its decode time."""
+
+    nll: float
+    logprobs: tuple[float, ...]
+    peak_positions: int | None
+    stages: int | None
+    decode_s: float
+
+
 #: vLLM's CPU thread binding; its default (``auto``) fails when ranks outnumber the cores.
 THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"
 
@@ -162,6 +194,7 @@ class VllmRunner:
         kv_cache_bytes: int | None = None,
         seed: int = 0,
         log_weights: bool = True,
+        forcing: bool = False,
     ) -> None:
         from vllm import LLM
 
@@ -193,6 +226,7 @@ class VllmRunner:
             max_num_seqs=int(min(concurrent, 256)),
             disable_log_stats=False,  # per-request timestamps (RequestOutput.metrics)
             seed=seed,
+            **({"logits_processors": [_forcing_processor()]} if forcing else {}),
             **engine_options(
                 "full", 0.0, report=str(self.report), block_size=BLOCK_SIZE,
                 log_weights=log_weights,
@@ -218,6 +252,54 @@ class VllmRunner:
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         evicted = {k: v for k, v in _read_report(self.report).items() if k not in done}
         return [self._result(r, out, evicted) for r, out in zip(requests, outputs, strict=True)]
+
+    def forced(self, jobs: Sequence[ForcedJob]) -> list[Forced]:
+        """Every job in one ``llm.generate`` call, its tokens forced (module docstring; the
+        engine needs ``forcing=True``); results in order."""
+        from vllm import SamplingParams
+
+        from probkv.vllm.forcing import FORCED_KEY
+
+        done = _read_report(self.report)
+        params = [
+            SamplingParams(
+                temperature=0.0,
+                max_tokens=len(job.continuation),
+                logprobs=0,
+                ignore_eos=True,
+                extra_args={**_job_options(job), FORCED_KEY: list(job.continuation)},
+            )
+            for job in jobs
+        ]
+        prompts = [{"prompt_token_ids": list(job.prompt_ids)} for job in jobs]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        evicted = _read_report(self.report)
+        results = []
+        for job, output in zip(jobs, outputs, strict=True):
+            out = output.outputs[0]
+            if tuple(out.token_ids) != tuple(job.continuation):
+                raise RuntimeError(
+                    f"probkv: request {output.request_id} did not generate its forced tokens "
+                    "(was the engine made with forcing=True?)"
+                )
+            logprobs = tuple(
+                float(step[token].logprob) for step, token in zip(out.logprobs, out.token_ids)
+            )
+            row = _find({k: v for k, v in evicted.items() if k not in done}, output.request_id)
+            stats = output.metrics
+            decode = float("nan")
+            if stats is not None and stats.first_token_ts:
+                decode = stats.last_token_ts - stats.first_token_ts
+            results.append(
+                Forced(
+                    nll=-sum(logprobs) / len(logprobs),
+                    logprobs=logprobs,
+                    peak_positions=None if row is None else row.get("peak_positions"),
+                    stages=None if row is None else row.get("stages"),
+                    decode_s=decode,
+                )
+            )
+        return results
 
     def _result(self, request: Request, output, evicted: dict[str, dict]) -> Result:
         t = len(request.prompt_ids)
@@ -265,10 +347,76 @@ def _find(evicted: dict[str, dict], request_id: str) -> dict | None:
 
 
 def _read_report(path: Path) -> dict[str, dict]:
+    """The report's last row per request (a budgeted request's final one carries its
+    ``peak_positions``)."""
     if not path.exists():
         return {}
     rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
     return {r["request_id"]: r for r in rows}
+
+
+def long_decode_rows(
+    runner: VllmRunner,
+    ids: Sequence[int],
+    *,
+    prompt_tokens: int,
+    tokens: int,
+    budgets: Sequence[int],
+    every: int,
+    methods: Sequence[str],
+) -> list[dict]:
+    """``probkv long-decode --engine vllm``: the first ``prompt_tokens`` of ``ids`` as the
+    prompt, the next ``tokens`` forced (``VllmRunner.forced``) with the full cache and under
+    each budget with each method (every job in one ``generate`` call), one row each with the
+    transformers engine's fields where they mean the same (``nll``, ``nll_full``,
+    ``nll_gap``, ``stages``) and ``peak_positions`` (the most positions the request held from
+    its prompt's eviction on, vLLM's report) instead of the peak entries per head."""
+    need = prompt_tokens + tokens
+    if len(ids) < need:
+        raise ValueError(f"ids has {len(ids)} tokens, fewer than prompt_tokens + tokens = {need}")
+    prompt, continuation = tuple(ids[:prompt_tokens]), tuple(ids[prompt_tokens:need])
+    jobs = [ForcedJob(prompt, continuation, "full")] + [
+        ForcedJob(prompt, continuation, m, b, every)
+        for b in budgets
+        for m in methods
+        if m != "full"
+    ]
+    results = runner.forced(jobs)
+    full = results[0].nll
+    rows = []
+    for job, result in zip(jobs, results, strict=True):
+        rows.append(
+            {
+                "engine": "vllm",
+                "method": job.method,
+                "seed": None,
+                "prompt_tokens": prompt_tokens,
+                "tokens": tokens,
+                "budget": job.max_entries,
+                "every": job.every,
+                "nll": result.nll,
+                "nll_full": full,
+                "nll_gap": result.nll - full,
+                "peak_positions": result.peak_positions,
+                "stages": result.stages,
+                "decode_s": result.decode_s,
+            }
+        )
+    return rows
+
+
+def _job_options(job: ForcedJob) -> dict:
+    """A forced job's probkv keys: its method under its budget (the ratio is the budget's)."""
+    return request_options(
+        job.method, 0.0 if job.max_entries is None else 0.5,
+        max_entries=job.max_entries, every=job.every,
+    )  # fmt: skip
+
+
+def _forcing_processor():
+    from probkv.vllm.forcing import ForcedTokens
+
+    return ForcedTokens
 
 
 def _position_bytes(model_config, sizes=None) -> int:
