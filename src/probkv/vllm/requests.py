@@ -186,7 +186,7 @@ class RequestEviction:
         if whole < num_blocks and not bool(kept_blocks[whole]):
             raise RuntimeError(
                 f"the prompt's last, partial block {whole} was evicted: a model-wide selection "
-                "keeps it (probkv.policies.model_wide), since new tokens are written into it"
+                "keeps it (probkv.policies.model_scope), since new tokens are written into it"
             )
         plan = CompactPlan(t, torch.nonzero(kept_blocks[:whole]).flatten().to(torch.int64), b)
         self.kept = KeptPrefix(positions.cpu(), logw.float().cpu(), freed, t, num_blocks, plan)
