@@ -8,10 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from probkv.vllm.budget import Budget, RequestStages, check_budget
+from probkv.vllm.budget import Budget, RequestStages
 from probkv.vllm.compaction import CompactPlan, compact
 from probkv.vllm.options import (
     EngineEviction,
+    check_budget,
     policy_for,
     read_options,
     request_eviction,

@@ -92,32 +92,6 @@ def request_budget(chosen, block_size: int) -> Budget | None:
     return Budget(int(chosen.max_entries), int(chosen.every or block_size))
 
 
-def check_budget(
-    chosen,
-    block_size: int,
-    model: object | None = None,
-    tensor_parallel_size: int = 1,
-    max_name: str = "max_entries",
-    every_name: str = "every",
-) -> Budget:
-    """Refuse, by name, a budget the engine cannot hold for ``chosen`` (``EngineEviction``):
-    B under one block, or a method a stage cannot score (module docstring)."""
-    from probkv.vllm.options import policy_for  # options imports this module lazily
-
-    budget = request_budget(chosen, block_size)
-    if budget.max_entries < block_size:
-        raise ValueError(
-            f"{max_name}={budget.max_entries}: a stage keeps whole blocks of {block_size} "
-            f"positions (the last, partial one among them); use {max_name} >= {block_size}"
-        )
-    method = chosen.method
-    policy = policy_for(method, 0.5, block_size, model, tensor_parallel_size)
-    why = budget_refusal(method, policy)
-    if why:
-        raise ValueError(f"method {method!r} under a decode budget ({max_name}): {why}")
-    return budget
-
-
 def budget_refusal(method: str, policy: EvictionPolicy | None) -> str | None:
     """Why ``policy`` cannot run stages in vLLM (None: it can)."""
     if policy is None:

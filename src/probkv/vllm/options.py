@@ -22,6 +22,7 @@ from probkv import scores
 from probkv.policies import FullCache, ProbabilisticPolicy, parse_method
 from probkv.policies.base import EvictionPolicy
 from probkv.scores.scorer_lookup import model_shapes, with_scorer
+from probkv.vllm.budget import Budget, budget_refusal, request_budget
 
 KEY = "probkv"
 TESTED_VLLM = "0.32"  # the minor version the plugin was written and tested against
@@ -230,8 +231,6 @@ def check_request(
     except ValueError as err:
         raise ValueError(f"{METHOD_KEY}={chosen.method!r}: {err}") from None
     if chosen.max_entries is not None:
-        from probkv.vllm.budget import check_budget
-
         check_budget(chosen, block_size, model, tensor_parallel_size, MAX_ENTRIES_KEY, EVERY_KEY)
     if weighted(chosen.method, chosen.ratio) and not engine.weighted:
         raise ValueError(
@@ -344,8 +343,6 @@ def check_engine(config) -> EngineEviction | None:
         getattr(config.parallel_config, "tensor_parallel_size", 1),
     )
     if options.max_entries is not None:
-        from probkv.vllm.budget import check_budget
-
         check_budget(
             options, config.cache_config.block_size, config.model_config.hf_config,
             getattr(config.parallel_config, "tensor_parallel_size", 1),
@@ -377,3 +374,27 @@ def _engine_problems(config):
         yield f"model architecture {list(archs)}: supported are {list(ARCHITECTURES)}"
     if getattr(hf, "sliding_window", None) and getattr(hf, "use_sliding_window", True):
         yield f"sliding_window={hf.sliding_window}: sliding-window attention is not supported"
+
+
+def check_budget(
+    chosen,
+    block_size: int,
+    model: object | None = None,
+    tensor_parallel_size: int = 1,
+    max_name: str = "max_entries",
+    every_name: str = "every",
+) -> Budget:
+    """Refuse, by name, a budget the engine cannot hold for ``chosen`` (``EngineEviction``):
+    B under one block, or a method a stage cannot score (module docstring)."""
+    budget = request_budget(chosen, block_size)  # probkv.vllm.budget
+    if budget.max_entries < block_size:
+        raise ValueError(
+            f"{max_name}={budget.max_entries}: a stage keeps whole blocks of {block_size} "
+            f"positions (the last, partial one among them); use {max_name} >= {block_size}"
+        )
+    method = chosen.method
+    policy = policy_for(method, 0.5, block_size, model, tensor_parallel_size)
+    why = budget_refusal(method, policy)
+    if why:
+        raise ValueError(f"method {method!r} under a decode budget ({max_name}): {why}")
+    return budget
