@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from probkv.hf import guards
+from probkv.hf import decode_budget, guards
 from probkv.hf.report import LayerReport
 
 
@@ -101,7 +101,7 @@ def before_generate(cache, ids: torch.Tensor, attention_mask: torch.Tensor | Non
     held = cache.get_seq_length()
     guards.check_generation_ids(ids, held, cache.token_ids)
     guards.check_padding(attention_mask, cache.layers)
-    guards.check_budget_padding(attention_mask, cache.decode_budget)
+    decode_budget.check_budget_padding(attention_mask, cache.decode_budget)
     if attention_mask is not None and bool(attention_mask.all()):
         attention_mask = None
     cache.generate_mask = attention_mask

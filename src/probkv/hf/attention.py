@@ -219,7 +219,7 @@ def batched_budget_attention(
     segment attends in one call, as in ``batched_evicted_attention``. Then each sequence's
     statistics read its rows of the probabilities, and a sequence whose head holds ``B + K``
     entries runs its own stage (its seeds, its statistics), exactly as alone; the joined
-    prefix follows. New tokens that are padding are refused (``guards.check_budget_padding``)."""
+    prefix follows. New tokens that are padding are refused (``decode_budget.check_budget_padding``)."""
     batch, hq, q_len, d = query.shape
     h = layer.num_heads
     sequences = layer.sequence_layers

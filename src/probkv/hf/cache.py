@@ -40,7 +40,10 @@ from probkv.hf.decode_budget import (
     DecodeBudget,
     LayerDecodeState,
     append_to_sequences,
+    budget_from_options,
+    check_no_budget,
     sequences_length,
+    tail_room,
 )
 from probkv.hf.eviction import evict_layers
 from probkv.hf.prefill import ObserveOnly, PromptReading
@@ -193,13 +196,11 @@ class EvictingLayer(CacheLayerMixin):
 
     def tail_capacity(self, need: int, planned: int) -> int:
         """How far the tail grows: the whole prompt at its first chunk when its length is
-        known (no copy per chunk); with a decode budget, to at most what the head holding
-        most entries may reach, ``B + K`` (the tail is shared by the heads)."""
+        known (no copy per chunk); with a decode budget, ``decode_budget.tail_room``."""
         if self.state is LayerState.PREFILL and self.prompt.length:
             return max(need, self.prompt.length)
         if self.state is LayerState.EVICTED and self.decode_state is not None:
-            room = self.decode_state.budget.peak_entries - max(self.prefix.lengths)
-            return max(need, min(planned, room))
+            return tail_room(self, need, planned)
         return planned
 
     def get_seq_length(self) -> int:
@@ -225,7 +226,7 @@ class EvictingLayer(CacheLayerMixin):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last ``-tokens_to_remove`` tokens of the tail (never the evicted prefix)."""
-        guards.check_no_decode_budget(self.decode_budget, "crop")
+        check_no_budget(self.decode_budget, "crop")
         if tokens_to_remove > 0 or -tokens_to_remove > self.tail.length:
             raise ValueError(
                 f"crop takes a negative count of at most the {self.tail.length} tokens added since "
@@ -429,7 +430,7 @@ class ProbKVCache(Cache):
         guards.check_policy_type(policy)
         if prompt_length is not None:
             check_positive_int(prompt_length, "prompt_length")
-        budget = guards.decode_budget(max_entries, every)
+        budget = budget_from_options(max_entries, every)
         if budget is not None:
             budget.check_policy(policy)
         policy = with_scorer(policy, config)  # kvzap: the model's scorer (S11)
@@ -569,7 +570,7 @@ class ProbKVCache(Cache):
     def rewind(self) -> None:
         """Drop every token added after eviction, back to the compressed state (question-
         agnostic workflow: each question starts from the same compressed context)."""
-        guards.check_no_decode_budget(self.decode_budget, "rewind")
+        check_no_budget(self.decode_budget, "rewind")
         guards.check_rewind(self.layers)
         for layer in self.layers:
             layer.truncate_tail(0)

@@ -29,7 +29,7 @@ keeps up to ``block - 1`` more or fewer than ``B``).
 
 A batch (S11) holds the budget per sequence: each sequence's stages come at the steps they
 come alone, with its own seeds and statistics (``split_batch`` below); its new tokens must
-not be padded (``probkv.hf.guards.check_budget_padding``).
+not be padded (``check_budget_padding``).
 
 Refused by name, since they cannot hold it: Ada-KV head budgets, PyramidKV / global layer
 budgets, the global scope and a threshold (their budgets move between heads or layers, or
@@ -135,6 +135,57 @@ class LayerDecodeState:
     stages: int = 1  # the prompt's eviction is stage 1
     peak_entries: int = 0  # per KV head, at the largest (before a stage evicts)
     peak_bytes: int = 0
+
+
+def budget_from_options(max_entries: int | None, every: int | None) -> DecodeBudget | None:
+    """The decode budget of ``max_entries=B``, ``every=K`` (``K`` 1 unless given); ``every``
+    without ``max_entries`` would be ignored, so it is refused."""
+    if max_entries is None:
+        if every is not None:
+            check_positive_int(every, "every")
+            raise ValueError(
+                f"every={every} applies only to a decode budget: pass max_entries=B too "
+                "(every=K re-evicts each KV head to B entries every K new ones), or leave "
+                "every out"
+            )
+        return None
+    return DecodeBudget(max_entries, 1 if every is None else every)
+
+
+def check_no_budget(budget, operation: str) -> None:
+    """``crop``/``rewind`` drop tail entries that a decode budget's stages and statistics
+    already counted: refused by name."""
+    if budget is not None:
+        raise ValueError(
+            f"{operation}() is not available on a cache with a decode budget "
+            f"(max_entries={budget.max_entries}): its stages already evicted and weighted the "
+            "entries it would drop; keep a copy (cache.copy()) before generating instead"
+        )
+
+
+def check_budget_padding(attention_mask: torch.Tensor | None, budget) -> None:
+    """A batch held to a decode budget takes new tokens without padding: a padding token
+    in a sequence's tail would be an entry its stages count, score and may keep (S10.5; alone
+    it never exists). Refused by name (``attention_mask`` ``[B, n]``, zeros after ones)."""
+    if budget is None or attention_mask is None or attention_mask.ndim != 2:
+        return
+    if attention_mask.shape[0] < 2:
+        return
+    if bool((attention_mask[:, 1:].long() < attention_mask[:, :-1].long()).any()):
+        raise ValueError(
+            f"this batch is held to a decode budget (max_entries={budget.max_entries}), and "
+            "its new tokens are padded (the attention mask has zeros after ones): a padding "
+            "token would be an entry of that sequence's stages. Give every sequence new "
+            "tokens of the same length (e.g. generate from the prompts alone), or run them "
+            "one at a time"
+        )
+
+
+def tail_room(layer, need: int, planned: int) -> int:
+    """How far an evicted layer's dense tail grows under its budget: to at most what the head
+    holding most entries may reach, ``B + K`` (the tail is shared by the heads)."""
+    room = layer.decode_state.budget.peak_entries - max(layer.prefix.lengths)
+    return max(need, min(planned, room))
 
 
 def start_decode(layer, observation, selection: RaggedSelection) -> None:

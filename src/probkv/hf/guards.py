@@ -12,15 +12,15 @@
 - A cache built from another model's config (:func:`check_layer_index`,
   :func:`check_layers_used`, :func:`check_same_layers`): named with both layer counts.
 - A forward whose batch size is not the cache's (:func:`batch_message`: beam search and
-  several returned sequences copy sequences), and what is not batched
-  (:func:`check_budget_padding`: padded new tokens of a batch held to a decode budget).
+  several returned sequences copy sequences). What a decode budget refuses (``every``
+  without ``max_entries``, ``crop``/``rewind``, padded new tokens of a batch) is checked in
+  ``probkv.hf.decode_budget``, with the budget's other code.
 - ``model.generate`` on a prompt that does not begin with the ids the cache holds
   (:func:`check_generation_ids`: ``probkv.hf.prepare_model`` makes ``generate`` call it
   with the whole prompt, before transformers slices off what the cache holds).
 - A ``prompt_length`` that is not the prompt's (:func:`check_prompt_end`).
 - Construction and eviction that cannot be served, before any work: a policy that is not
-  an ``EvictionPolicy`` (:func:`check_policy_type`), ``every`` without ``max_entries`` or
-  not a positive int (:func:`decode_budget`), an eviction of layers not observed or
+  an ``EvictionPolicy`` (:func:`check_policy_type`), an eviction of layers not observed or
   already evicted (:func:`check_can_evict`), and a policy whose score or parameters differ
   from what the prefill observed (:func:`check_observed`).
 """
@@ -33,8 +33,6 @@ from collections.abc import Sequence
 import torch
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-from probkv._checks import check_positive_int
-from probkv.hf.decode_budget import DecodeBudget
 from probkv.policies.base import EvictionPolicy
 from probkv.scores import needs_reconstruction
 
@@ -159,24 +157,6 @@ def check_padding(attention_mask: torch.Tensor | None, layers: Sequence) -> None
         )
 
 
-def check_budget_padding(attention_mask: torch.Tensor | None, budget) -> None:
-    """A batch held to a decode budget takes new tokens without padding: a padding token
-    in a sequence's tail would be an entry its stages count, score and may keep (S10.5; alone
-    it never exists). Refused by name (``attention_mask`` ``[B, n]``, zeros after ones)."""
-    if budget is None or attention_mask is None or attention_mask.ndim != 2:
-        return
-    if attention_mask.shape[0] < 2:
-        return
-    if bool((attention_mask[:, 1:].long() < attention_mask[:, :-1].long()).any()):
-        raise ValueError(
-            f"this batch is held to a decode budget (max_entries={budget.max_entries}), and "
-            "its new tokens are padded (the attention mask has zeros after ones): a padding "
-            "token would be an entry of that sequence's stages. Give every sequence new "
-            "tokens of the same length (e.g. generate from the prompts alone), or run them "
-            "one at a time"
-        )
-
-
 def check_rewind(layers: Sequence) -> None:
     """``rewind`` truncates every layer's tail: only evicting layers, all evicted."""
     for layer in layers:
@@ -187,17 +167,6 @@ def check_rewind(layers: Sequence) -> None:
             )
         if not layer.is_evicted:
             raise ValueError("rewind() needs an evicted cache; compress the context first")
-
-
-def check_no_decode_budget(budget, operation: str) -> None:
-    """``crop``/``rewind`` drop tail entries that a decode budget's stages and statistics
-    (``probkv.hf.decode_budget``) already counted: refused by name."""
-    if budget is not None:
-        raise ValueError(
-            f"{operation}() is not available on a cache with a decode budget "
-            f"(max_entries={budget.max_entries}): its stages already evicted and weighted the "
-            "entries it would drop; keep a copy (cache.copy()) before generating instead"
-        )
 
 
 _ONE_PROMPT = (
@@ -266,21 +235,6 @@ def check_policy_type(policy) -> None:
             f"policy must be an EvictionPolicy, got {type(policy).__name__} {policy!r}: build "
             f"one with {hint}"
         )
-
-
-def decode_budget(max_entries: int | None, every: int | None) -> DecodeBudget | None:
-    """The decode budget of ``max_entries=B``, ``every=K`` (``K`` 1 unless given); ``every``
-    without ``max_entries`` would be ignored, so it is refused."""
-    if max_entries is None:
-        if every is not None:
-            check_positive_int(every, "every")
-            raise ValueError(
-                f"every={every} applies only to a decode budget: pass max_entries=B too "
-                "(every=K re-evicts each KV head to B entries every K new ones), or leave "
-                "every out"
-            )
-        return None
-    return DecodeBudget(max_entries, 1 if every is None else every)
 
 
 def check_can_evict(states: dict[int, str]) -> None:
