@@ -47,7 +47,7 @@ from probkv.eval.job import (
     load_prepared_model,
 )
 from probkv.eval.outputs import check_output_folder
-from probkv.eval.plan import Unit, job_key, load_run_examples, plan_units
+from probkv.eval.plan import job_key, load_run_examples, plan_units
 from probkv.eval.store import (
     RESULTS_FILE,
     SUMMARY_JSON,
@@ -129,7 +129,7 @@ def run_eval(
 
     The steps, in order: :func:`_check_run` (before loading anything), :func:`_load_model`,
     :func:`_run_examples`, then, with the folder locked, :func:`_finished_rows` (the rows a
-    previous run left), :func:`_row_stream` (the pending units' rows, by engine) and
+    previous run left), the engine's ``rows`` (the pending units' rows, :mod:`probkv.eval.engines`) and
     :func:`_append_rows`; the summary is written last.
     """
     out, examples, identity = _check_run(
@@ -165,7 +165,7 @@ def run_eval(
                 file=sys.stderr,
                 dynamic_ncols=True,
             )
-            stream = _row_stream(
+            stream = engine_for(config).rows(  # the pending units' rows, lazily
                 config,
                 units,
                 model,
@@ -255,33 +255,6 @@ def _finished_rows(
     labels = [line_label(results, n) for n, _ in numbered]  # names rows in errors
     next_line = results.read_bytes().count(b"\n") + 1 if results.exists() else 1
     return rows, labels, next_line
-
-
-def _row_stream(
-    config: RunConfig,
-    units: Sequence[Unit],
-    model: Any,
-    tokenizer: Any,
-    limit: int,
-    *,
-    workers: int,
-    threads: int,
-    batch_size: int,
-    tensor_parallel_size: int | None,
-) -> Iterator[dict[str, Any]]:
-    """The pending ``units``' rows, lazily, from the engine of ``config.engine``
-    (:mod:`probkv.eval.engines`)."""
-    return engine_for(config).rows(
-        config,
-        units,
-        model,
-        tokenizer,
-        limit,
-        workers=workers,
-        threads=threads,
-        batch_size=batch_size,
-        tensor_parallel_size=tensor_parallel_size,
-    )
 
 
 def _append_rows(
