@@ -977,6 +977,29 @@ def test_cli_long_decode_inputs_are_checked_before_loading(extra, needle, tmp_pa
     assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (
+            ["--methods", "tova,prob:h2o-h"],
+            "prob: methods are not run under a decode budget in vLLM",
+        ),
+        (["--methods", "h2o"], "score 'h2o' reads every past row's attention"),
+        (["--seeds", "2"], "--seeds 2: --engine vllm runs top-k methods"),
+    ],
+)
+def test_cli_long_decode_vllm_refusals_come_before_any_engine(extra, needle, tmp_path, cache, gguf):
+    out = tmp_path / "ld.json"
+    args = _long_decode(gguf, str(out), "--engine", "vllm", "--budget", "64", *extra)
+    _refused_before_loading(args, cache, needle)
+    assert not out.exists()
+
+
+def test_cli_long_decode_tensor_parallel_needs_the_vllm_engine(tmp_path, cache, gguf):
+    args = _long_decode(gguf, str(tmp_path / "ld.json"), "--tensor-parallel-size", "2")
+    _refused_before_loading(args, cache, "--tensor-parallel-size 2 needs --engine vllm")
+
+
 def test_cli_long_decode_out_and_text_are_checked_before_loading(tmp_path, cache, gguf, a_file):
     for out, needle in [
         (str(tmp_path), f"--out '{tmp_path}' is a folder; give a file name"),

@@ -198,6 +198,20 @@ def add_long_decode(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--seeds", type=positive_int, default=1, help="seeds per sampled method")
     parser.add_argument("--out", type=output_path, required=True, help="JSON file to write")
+    parser.add_argument(
+        "--engine",
+        choices=("hf", "vllm"),
+        default="hf",
+        help="hf (default): transformers, budgets per KV head; vllm: one vLLM engine with "
+        "probkv's plugin, model-wide blocks of 32, top-k methods (snapkv, tova, knorm, "
+        "streaming_llm), the tokens forced, vLLM's raw log-probs",
+    )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=positive_int,
+        default=1,
+        help="vLLM tensor-parallel ranks (--engine vllm only; default 1)",
+    )
     add_dtype_argument(parser)
     parser.set_defaults(handler=run_long_decode_command)
 
@@ -261,6 +275,11 @@ def run_long_decode_command(args: argparse.Namespace) -> int:
     """``probkv long-decode``: run every method, write the JSON, print the summary."""
     from probkv.experiments.long_decode import LongDecodeConfig, run_long_decode  # transformers
 
+    if args.engine != "vllm" and args.tensor_parallel_size != 1:
+        raise ValueError(
+            f"--tensor-parallel-size {args.tensor_parallel_size} needs --engine vllm "
+            "(the hf engine runs one process)"
+        )
     config = LongDecodeConfig(
         prompt_tokens=args.prompt_tokens,
         tokens=args.tokens,
@@ -279,6 +298,19 @@ def run_long_decode_command(args: argparse.Namespace) -> int:
             flush=True,
         )
 
+    if args.engine == "vllm":
+        from probkv.experiments.long_decode import run_long_decode_vllm
+
+        result = run_long_decode_vllm(
+            config, model=args.model, text=args.text, out=args.out, dtype=args.dtype,
+            tensor_parallel_size=args.tensor_parallel_size,
+        )  # fmt: skip
+        for row in result.summary:
+            print(
+                f"{row['method']:<28} B={row['budget']!s:<5} gap {row['nll_gap']:+.4f}  "
+                f"peak positions {row['peak_positions']}"
+            )
+        return 0
     result = run_long_decode(
         config, model=args.model, text=args.text, out=args.out, dtype=args.dtype,
         progress=progress,

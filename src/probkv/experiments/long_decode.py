@@ -271,11 +271,23 @@ def summarise(rows: Sequence[dict]) -> list[dict]:
                 "seeds": len(runs),
                 "nll": sum(r["nll"] for r in runs) / len(runs),
                 "nll_gap": sum(r["nll_gap"] for r in runs) / len(runs),
-                "peak_entries_per_head": max(r["peak_entries_per_head"] for r in runs),
-                "throughput_vs_full": sum(r["throughput_vs_full"] for r in runs) / len(runs),
+                **_peaks_and_speed(runs),
             }
         )
     return table
+
+
+def _peaks_and_speed(runs: Sequence[dict]) -> dict:
+    """The transformers engine's peak entries per head and throughput against the full cache;
+    the vLLM engine's peak positions per request (its report; its throughput is
+    ``benchmarks/bench_serve.py``'s: every job runs in one batch)."""
+    if "peak_positions" in runs[0]:
+        peaks = [r["peak_positions"] for r in runs if r["peak_positions"] is not None]
+        return {"peak_positions": max(peaks) if peaks else None}
+    return {
+        "peak_entries_per_head": max(r["peak_entries_per_head"] for r in runs),
+        "throughput_vs_full": sum(r["throughput_vs_full"] for r in runs) / len(runs),
+    }
 
 
 @dataclass(frozen=True)
@@ -322,6 +334,73 @@ def run_long_decode(
         "methods": list(config.methods),
         "seeds": config.seeds,
         "error_steps": list(config.error_steps),
+        "seconds": time.perf_counter() - start,
+    }
+    summary = summarise(rows)
+    write_json(path, {"header": header, "rows": rows, "summary": summary})
+    return LongDecodeResult(rows, summary, path)
+
+
+def run_long_decode_vllm(
+    config: LongDecodeConfig,
+    *,
+    model: str,
+    text: str,
+    out: str | Path,
+    dtype: str = "float32",
+    tensor_parallel_size: int = 1,
+) -> LongDecodeResult:
+    """``probkv long-decode --engine vllm``: the same forced continuation in one vLLM engine
+    with probkv's plugin (``probkv.vllm.engine.long_decode_rows``: the text's tokens forced by
+    a logits processor, vLLM's raw log-probs, each request held to ``max_entries`` B with a
+    stage every K tokens, model-wide blocks). Top-k methods only, one row per method (the
+    plugin's refusals by name, before the engine starts); rows carry ``peak_positions`` (the
+    most positions the request held) instead of per-head peaks."""
+    from probkv.models import load_tokenizer, model_max_positions, resolve_model
+    from probkv.vllm.engine import check_budget_methods, check_model  # pure: no vLLM import
+
+    path = check_output_file(out, "--out")
+    if config.seeds != 1:
+        raise ValueError(
+            f"--seeds {config.seeds}: --engine vllm runs top-k methods under a decode budget "
+            "(deterministic); omit --seeds"
+        )
+    dtype = "float32" if dtype == "auto" else dtype
+    need = config.prompt_tokens + config.tokens
+    methods = [m for m in config.methods if m != FULL]
+    for budget in config.budgets:
+        check_budget_methods(methods, budget, config.every, tensor_parallel_size)
+    folder = str(resolve_model(model).path)
+    check_model(folder, tensor_parallel_size)
+    words = read_text(text, words=need * 2)
+    check_positions(config.prompt_tokens, config.tokens, model_max_positions(model))
+    ids = text_token_ids(load_tokenizer(model), words, need)[0].tolist()
+    from probkv.vllm.engine import VllmRunner, long_decode_rows
+
+    start = time.perf_counter()
+    runner = VllmRunner(
+        folder, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
+        max_model_len=need + 32, forcing=True, log_weights=False,
+    )  # fmt: skip
+    try:
+        rows = long_decode_rows(
+            runner, ids, prompt_tokens=config.prompt_tokens, tokens=config.tokens,
+            budgets=config.budgets, every=config.every, methods=methods,
+        )  # fmt: skip
+    finally:
+        runner.close()
+    header = {
+        "experiment": "long-decode",
+        "engine": "vllm",
+        "model": model,
+        "dtype": dtype,
+        "tensor_parallel_size": tensor_parallel_size,
+        "text": text,
+        "prompt_tokens": config.prompt_tokens,
+        "tokens": config.tokens,
+        "budget": list(config.budgets),
+        "every": config.every,
+        "methods": methods,
         "seconds": time.perf_counter() - start,
     }
     summary = summarise(rows)

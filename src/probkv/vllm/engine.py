@@ -34,7 +34,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from probkv.vllm.options import ARCHITECTURES, KVZAP, policy_for, request_options
+from probkv.vllm.options import (
+    ARCHITECTURES,
+    KVZAP,
+    EngineEviction,
+    check_budget,
+    policy_for,
+    request_options,
+)
 from probkv.vllm.weights import padded_head_size
 
 #: Positions per KV block of the engines probkv eval starts (the CPU backend needs a multiple
@@ -62,6 +69,21 @@ def check_methods(
                 policy_for(method, ratio, BLOCK_SIZE, model, tensor_parallel_size)
             except ValueError as err:
                 raise ValueError(f"--engine vllm: {err}") from None
+
+
+def check_budget_methods(
+    methods: Sequence[str], max_entries: int, every: int, tensor_parallel_size: int = 1
+) -> None:
+    """Refuse, by name and before any engine starts, a method the plugin cannot hold to a
+    decode budget of ``max_entries`` positions with a stage every ``every`` tokens
+    (``probkv.vllm.options.check_budget``: prob: methods, column-sum and fixed scores, a
+    budget under one block): ValueError."""
+    for method in methods:
+        chosen = EngineEviction(method, 0.0, max_entries=max_entries, every=every)
+        try:
+            check_budget(chosen, BLOCK_SIZE, None, tensor_parallel_size)
+        except ValueError as err:
+            raise ValueError(f"--engine vllm: {err}") from None
 
 
 def scorer_methods(methods: Sequence[str], ratios: Sequence[float]) -> list[str]:
