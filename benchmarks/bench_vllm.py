@@ -74,14 +74,14 @@ def main() -> None:
 
     from probkv.models import resolve_model
     from probkv.vllm import engine_options, request_options
-    from probkv.vllm.engine import _position_bytes_guess
+    from probkv.vllm.engine import position_bytes_for
 
     count = args.requests or 3 * args.n
     ids = prompts(args.model, args.length, count, args.seed)
     path = str(resolve_model(args.model).path)
     longest = max(len(x) for x in ids) + args.max_tokens
     blocks_per_request = -(-longest // BLOCK)
-    position = _position_bytes_guess(path, "float32")
+    position = position_bytes_for(path, "float32")
     cap = (args.n * blocks_per_request + 1) * BLOCK * position  # + vLLM's null block
     report = Path(tempfile.mkstemp(prefix="probkv-bench-", suffix=".jsonl")[1])
     start = time.perf_counter()

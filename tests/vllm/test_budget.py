@@ -18,7 +18,7 @@ from probkv.vllm.options import (
     request_eviction,
     request_options,
 )
-from probkv.vllm.requests import KeptPrefix
+from probkv.vllm.request_eviction import KeptPrefix
 
 from .test_compaction import BS, D, H, W, paged_attention, physical_table
 

@@ -18,7 +18,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: make test
 from probkv.models import chat_prompt_ids, load_model, load_tokenizer, resolve_model  # noqa: E402
 from probkv.vllm import engine_options, request_options  # noqa: E402
 from probkv.vllm.options import policy_for  # noqa: E402
-from probkv.vllm.requests import RequestEviction  # noqa: E402
+from probkv.vllm.request_eviction import RequestEviction  # noqa: E402
 
 pytestmark = pytest.mark.slow
 BLOCK = 32

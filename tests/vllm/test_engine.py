@@ -19,7 +19,7 @@ from probkv.eval.runner import run_eval
 from probkv.eval.store import ROW_FIELDS, read_results
 from probkv.models import resolve_model
 from probkv.vllm import internals
-from probkv.vllm.engine import BLOCK_SIZE, _position_bytes_guess
+from probkv.vllm.engine import BLOCK_SIZE, position_bytes_for
 
 METHODS = (FULL, "snapkv", "prob:snapkv", "prob:kvzap")  # kvzap: the shipped scorer
 
@@ -75,7 +75,7 @@ def test_vllm_rows_have_the_hf_format(runs):
 
 def test_freed_bytes_are_whole_blocks_of_the_prompt(runs):
     path = str(resolve_model("smollm2-135m").path)  # the engine holds log-weights: wider heads
-    position = _position_bytes_guess(path, "float32", internals.cpu_head_sizes())
+    position = position_bytes_for(path, "float32", internals.cpu_head_sizes())
     block = BLOCK_SIZE * position
     for row in runs["vllm"]:
         t = row["compressed_tokens"]

@@ -22,7 +22,7 @@ from probkv.vllm.flex import (
     packed_score_mod,
     score_mod,
 )
-from probkv.vllm.requests import decode_attention
+from probkv.vllm.request_eviction import decode_attention
 
 HQ, HKV, D = 9, 3, 16  # SmolLM2's 9 query / 3 KV heads
 SCALE = D**-0.5
@@ -202,7 +202,7 @@ def test_evicted_positions_get_no_mass_even_with_huge_keys():
 def test_packed_form_is_vllm_layout_decode_attention():
     """vLLM's form: every request's queries packed in one row; a wrapper maps the packed
     key index to the request's logical position, as vLLM's ``get_transformed_score_mod`` does.
-    Equals ``probkv.vllm.requests.decode_attention`` (the CPU backend's decode)."""
+    Equals ``probkv.vllm.request_eviction.decode_attention`` (the CPU backend's decode)."""
     positions, log_weights = kept_sets(9, 4, weighted=True)
     tables = kept_tables(positions, log_weights, PROMPTS, block=4)
     queries = [1, 3, 2]

@@ -126,7 +126,7 @@ def test_kvzap_keeps_the_blocks_and_decodes_as_the_transformers_integration(
     integration's under the same scope=model selection, and so are greedy tokens and
     log-probs."""
     from probkv.hf.cache import EvictingLayer
-    from probkv.vllm.requests import RequestEviction
+    from probkv.vllm.request_eviction import RequestEviction
 
     llm, _ = engine
     vllm_kept, hf_kept = [], []

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from probkv.vllm.requests import decode_attention
+from probkv.vllm.request_eviction import decode_attention
 from probkv.vllm.weights import (
     SPARE,
     padded_entries,

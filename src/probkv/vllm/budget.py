@@ -6,7 +6,7 @@ The option is the transformers integration's (``ProbKVCache(max_entries=B, every
 ``probkv.vllm.options`` reads it from the engine's option or a request's flat keys
 (``probkv_max_entries``, ``probkv_every``). Under it:
 
-- stage 1 is the prompt's eviction (``probkv.vllm.requests.RequestEviction``) at the ratio
+- stage 1 is the prompt's eviction (``probkv.vllm.request_eviction.RequestEviction``) at the ratio
   ``1 - B / t`` (a prompt of at most B positions keeps every block);
 - whenever the positions a request holds (its compact sequence: kept blocks, then every
   position after the last stage) reach ``B + K``, at the end of that step a stage selects whole
@@ -49,7 +49,7 @@ from probkv.policies.base import EvictionPolicy, select_layers
 from probkv.scores.observation import LayerObservation, PrefillStatistics
 from probkv.vllm.compaction import CompactPlan
 from probkv.vllm.paged import read_cache
-from probkv.vllm.requests import KeptPrefix, RequestEviction, _gathered, _identity
+from probkv.vllm.request_eviction import KeptPrefix, RequestEviction, gathered, no_gather
 
 #: A prompt of at most B positions is observed at this ratio: every block is kept (the
 #: model-wide budget rounds to whole blocks), and later stages have their first plan.
@@ -191,14 +191,14 @@ class RequestStages:
     def observed(self) -> bool:
         return self.due is not None and len(self.observations) == len(self.layers)
 
-    def select(self, kept: KeptPrefix, gather=_identity) -> KeptPrefix:
+    def select(self, kept: KeptPrefix, gather=no_gather) -> KeptPrefix:
         """The stage's kept set (every layer observed): whole blocks of the held positions
         back to B; the returned ``KeptPrefix`` has the stage's length as its
         ``prompt_length``, the newly freed logical blocks as ``freed``."""
         length, plan = self.due
         b = self.block_size
         held = length - plan.evicted
-        full = [_gathered(self.observations[i], gather) for i in self.layers]
+        full = [gathered(self.observations[i], gather) for i in self.layers]
         changes = {"ratio": self.budget.stage_ratio(held)}
         if hasattr(self.policy, "seed"):
             changes["seed"] = self.policy.seed + _STAGE_SEED_STRIDE * self.stage

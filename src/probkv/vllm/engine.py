@@ -229,7 +229,7 @@ class VllmRunner:
         self.report = Path(report)
         blocks = -(-max_model_len // BLOCK_SIZE)
         sizes = internals.cpu_head_sizes() if log_weights else None
-        per_request = blocks * BLOCK_SIZE * _position_bytes_guess(model_path, dtype, sizes)
+        per_request = blocks * BLOCK_SIZE * position_bytes_for(model_path, dtype, sizes)
         if kv_cache_bytes is None:
             kv_cache_bytes = DEFAULT_CONCURRENT * per_request
         concurrent = kv_cache_bytes // per_request
@@ -452,8 +452,10 @@ def _position_bytes(model_config, sizes=None) -> int:
     return 2 * layers * heads * head_dim * model_config.dtype.itemsize
 
 
-def _position_bytes_guess(model_path: str, dtype: str, sizes=None) -> int:
-    """:func:`_position_bytes` from the folder's config.json, before the engine exists."""
+def position_bytes_for(model_path: str, dtype: str, sizes=None) -> int:
+    """KV bytes per position of the model in ``model_path`` at ``dtype`` (head size padded to
+    one of the CPU kernel's ``sizes`` where given), from its config.json, before any engine
+    exists (``_position_bytes`` reads the engine's own config)."""
     config = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
     config = config.get("text_config", config)
     heads = config["num_attention_heads"]

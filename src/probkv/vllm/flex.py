@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from probkv.vllm.requests import KeptPrefix
+    from probkv.vllm.request_eviction import KeptPrefix
 
 NEG_INF = -math.inf
 
@@ -160,7 +160,7 @@ def batch_tables(
     device: torch.device | str | None = None,
 ) -> KeptTables | None:
     """The tables of one step's batch, row ``i`` for the batch's request ``i``: its kept prefix
-    (``probkv.vllm.requests.KeptPrefix``, true positions), or None where it evicts nothing (not
+    (``probkv.vllm.request_eviction.KeptPrefix``, true positions), or None where it evicts nothing (not
     evicting, or not selected yet). None when no request of the batch has evicted."""
     if all(k is None for k in kept):
         return None

@@ -298,7 +298,7 @@ def with_kvzap_scorer(
     attribute: vLLM's ``model_config.hf_config``; ``probkv.scores.scorer_lookup``), refused
     by name for a model without one, or whose KV heads do not split over
     ``tensor_parallel_size`` ranks (each rank then sums its heads' share of every head's
-    prediction with the others': ``probkv.vllm.requests.tensor_parallel_policy``); other
+    prediction with the others': ``probkv.vllm.request_eviction.tensor_parallel_policy``); other
     policies, and any policy when ``model`` is None (only the name is checked), unchanged."""
     if policy.score != KVZAP or model is None:
         return policy

@@ -38,7 +38,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from probkv.vllm import internals
 from probkv.vllm import options as opts
-from probkv.vllm.requests import RequestEviction
+from probkv.vllm.request_eviction import RequestEviction
 from probkv.vllm.worker import OUTPUT_FIELD
 
 

@@ -9,7 +9,7 @@ spare columns, split into a high part in the cache's dtype and the low remainder
 (``spare_key_columns``: exact in float32, within the low part's rounding in bfloat16); every
 other key, and every value, holds 0 there. A query row that reads the weights gets 1 in both
 columns (``padded_queries``), so the kernel's logit becomes ``scale <q, k> + log w``: S4's
-corrected attention (``probkv.vllm.requests.decode_attention`` is the reference) in one call, at
+corrected attention (``probkv.vllm.request_eviction.decode_attention`` is the reference) in one call, at
 the kept length, with no second pass. A prompt row computed again after a preemption gets 0
 there: the prompt attends to itself unweighted.
 

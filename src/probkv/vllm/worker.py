@@ -2,7 +2,7 @@
 
 ``ProbKVWorker`` is vLLM's ``CPUWorker`` (set as ``worker_cls`` by ``probkv.vllm.plugin`` when
 the engine has probkv's option). Before each step it starts the eviction state of new requests
-(``probkv.vllm.requests.RequestEviction``, the engine's method or the request's own
+(``probkv.vllm.request_eviction.RequestEviction``, the engine's method or the request's own
 ``extra_args``) and drops finished ones; during the forward the attention backend
 (``probkv.vllm.backend``) calls ``WorkerEviction.attend`` per layer; after the forward every
 request whose prompt was read by every layer selects its kept blocks (the same selection on
@@ -24,7 +24,7 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 from probkv.vllm import budget, compaction, internals
 from probkv.vllm import options as opts
 from probkv.vllm.paged import LAYER_INDEX, read_cache
-from probkv.vllm.requests import RequestEviction, tensor_parallel_policy
+from probkv.vllm.request_eviction import RequestEviction, tensor_parallel_policy
 from probkv.vllm.weights import padded_head_size
 
 OUTPUT_FIELD = "probkv_evicted"  # req_id -> {"freed": [...], ...} on a ModelRunnerOutput

@@ -1,4 +1,4 @@
-"""probkv.vllm.requests: a request's eviction in a vLLM worker equals the transformers
+"""probkv.vllm.request_eviction: a request's eviction in a vLLM worker equals the transformers
 integration's under the same policy (same observation function, same select_layers), chunked
 or not, split over tensor-parallel ranks or not; decode attention against Algorithm 1."""
 
@@ -15,7 +15,7 @@ from probkv.estimation import corrected_attention_reference
 from probkv.policies import parse_method, select_layers
 from probkv.scores import surrogate as sg
 from probkv.scores.observation import observe_layer
-from probkv.vllm.requests import (
+from probkv.vllm.request_eviction import (
     RequestEviction,
     decode_attention,
     tensor_parallel_policy,

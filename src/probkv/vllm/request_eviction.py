@@ -37,7 +37,8 @@ from probkv.vllm.compaction import CompactPlan
 Gather = Callable[[torch.Tensor], torch.Tensor]  # [H_local, t] -> [H_all, t] over the TP ranks
 
 
-def _identity(x: torch.Tensor) -> torch.Tensor:
+def no_gather(x: torch.Tensor) -> torch.Tensor:
+    """The gather of one rank (no tensor parallelism): ``x`` itself."""
     return x
 
 
@@ -166,13 +167,13 @@ class RequestEviction:
             self.observations[layer] = stats.observe(key, value, layer_idx=layer, rank=rank)
             del self.statistics[layer]
 
-    def select(self, gather: Gather = _identity) -> KeptPrefix:
+    def select(self, gather: Gather = no_gather) -> KeptPrefix:
         """The kept prefix, once every layer is observed; ``gather`` joins the heads of the
         tensor-parallel ranks (the identity on one rank)."""
         if not self.observed:
             missing = sorted(set(self.layers) - set(self.observations))
             raise ValueError(f"select needs every layer observed; layers {missing} are not")
-        full = [_gathered(self.observations[i], gather) for i in self.layers]
+        full = [gathered(self.observations[i], gather) for i in self.layers]
         selection = select_layers(self.policy, full, num_layers=len(self.layers))[0]
         positions, logw = selection.head(0)  # scope="model": every head keeps the same
         if logw is None:
@@ -220,7 +221,9 @@ def tensor_parallel_policy(
     return dataclasses.replace(policy, score_params={**policy.score_params, "surrogate": shard})
 
 
-def _gathered(obs: LayerObservation, gather: Gather) -> LayerObservation:
+def gathered(obs: LayerObservation, gather: Gather) -> LayerObservation:
+    """``obs`` with its statistics gathered over the tensor-parallel group (``gather``: every
+    rank's heads, the same on every rank), for a selection every rank makes alike."""
     forced = None
     if obs.forced is not None:
         forced = gather(obs.forced.to(torch.float32)) > 0  # float: every TP backend gathers it
