@@ -82,6 +82,23 @@ def test_kvzap_gets_the_models_shipped_scorer(method):
     assert "surrogate" not in policy_for(method, 0.5, 32).score_params  # no model: name only
 
 
+@pytest.mark.parametrize("ratio", [0.0, 0.5])
+@pytest.mark.parametrize(
+    "method", ["topk:kvzap/threshold=-5", "topk:kvzap/scope=model/threshold=-5"]
+)
+def test_a_threshold_is_refused_by_name_at_any_ratio(method, ratio):
+    # at ratio 0 (KVzap's mode) the threshold alone would decide: no silent full cache
+    with pytest.raises(ValueError, match=r"threshold.*scope=model"):
+        policy_for(method, ratio, 32, smollm2_config())
+    with pytest.raises(ValueError, match="threshold"):
+        check_engine(
+            config(
+                additional_config={"probkv": {"method": method, "ratio": ratio}},
+                model_config=SimpleNamespace(hf_config=smollm2_config()),
+            )
+        )
+
+
 def test_kvzap_is_refused_by_name_without_a_scorer_or_kv_heads_that_split_over_the_ranks():
     other = smollm2_config(num_hidden_layers=31, _name_or_path="my/llama")
     with pytest.raises(

@@ -35,6 +35,7 @@ WORKER = "probkv.vllm.worker.ProbKVWorker"
 SCHEDULER = "probkv.vllm.scheduler.ProbKVScheduler"
 DEFAULT_WORKER = "vllm.v1.worker.cpu_worker.CPUWorker"  # what the CPU platform sets for "auto"
 SCOPE_NAME = "scope"
+THRESHOLD_NAME = "threshold"  # KVzap's threshold mode: head scope only, refused here
 KVZAP = "kvzap"  # the surrogate score (S11): its policy needs the model's scorer
 
 
@@ -255,13 +256,19 @@ def policy_for(
     if not isinstance(method, str) or not method.strip():
         raise ValueError(f"method must be a probkv method name, got {method!r}")
     base = parse_method(method.split("/")[0], ratio)
+    options = dict(o.partition("=")[::2] for o in method.split("/")[1:])
+    if THRESHOLD_NAME in options:  # checked before ratio 0, KVzap's mode, returns no policy
+        raise ValueError(
+            f"method {method!r} cannot run in vLLM: a threshold (S11) keeps entries by their "
+            "own scores, per head (scope=head), and vLLM keeps one set of blocks for every "
+            "layer and head (scope=model); use a ratio (topk:kvzap/scope=model or prob:kvzap)"
+        )
     if isinstance(base, FullCache) or ratio == 0:
         parse_method(method, ratio)  # full takes no options
         return None
     why = _unsupported(base)
     if why:
         raise ValueError(f"method {method!r} cannot run in vLLM: {why}")
-    options = dict(o.partition("=")[::2] for o in method.split("/")[1:])
     if options.get(SCOPE_NAME, "model") != "model":
         raise ValueError(
             f"method {method!r} sets scope={options[SCOPE_NAME]}: vLLM's blocks span every "
