@@ -17,7 +17,17 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import probkv.hf.eviction as eviction_module
-from probkv.hf import LayerState, ProbKVCache, answer, compress, prepare_model
+from probkv.hf import (
+    BudgetedBatchLayer,
+    BudgetedLayer,
+    EvictedLayer,
+    ProbKVCache,
+    PromptLayer,
+    PromptPhase,
+    answer,
+    compress,
+    prepare_model,
+)
 from probkv.models.testing import TINY_ARCHITECTURES, tiny_model
 from probkv.policies import parse_method
 
@@ -259,33 +269,61 @@ def test_generate_with_sampling_runs(tiny):
     assert 0.3 < cache.effective_ratio() < 0.7
 
 
-def test_layers_move_through_their_states(tiny):
-    """PREFILL -> OBSERVED (prefill seen; a global policy waits for every layer) -> EVICTED;
-    a layerwise policy goes through OBSERVED inside the prefill; reset() starts over."""
+def test_layers_move_through_their_kinds_and_phases(tiny):
+    """A PromptLayer in phase PREFILL -> OBSERVED (prefill seen; a global policy waits for
+    every layer) -> an EvictedLayer, the same object (the cache's slot holds it); a layerwise
+    policy goes through OBSERVED inside the prefill; reset() makes a PromptLayer again."""
     ids = random_ids(tiny, 30, seed=19)
     cache = ProbKVCache(tiny.config, parse_method("prob:h2o/scope=global", ratio=0.5))
     layers = [cache.layers[i] for i in cache.evicting_layers]
-    assert all(layer.state is LayerState.PREFILL for layer in layers)
+    assert all(type(layer) is PromptLayer for layer in layers)
+    assert all(layer.phase is PromptPhase.PREFILL for layer in layers)
     assert cache.token_ids is None and not cache.eviction_pending
     with torch.no_grad():
         tiny(input_ids=ids, cache=cache, use_cache=True)
-    assert all(layer.state is LayerState.OBSERVED for layer in layers)
+    assert all(layer.phase is PromptPhase.OBSERVED for layer in layers)
     assert all(layer.observation is not None and layer.report is None for layer in layers)
     assert cache.eviction_pending
-    observation = layers[0].observation
     cache.evict()
-    assert all(layer.state is LayerState.EVICTED and layer.is_evicted for layer in layers)
+    assert all(type(layer) is EvictedLayer and layer.is_evicted for layer in layers)
+    assert [cache.layers[i] for i in cache.evicting_layers] == layers
     assert all(layer.observation is None and layer.report is not None for layer in layers)
     assert not cache.eviction_pending
     with pytest.raises(ValueError, match=r"layers \[[0-9, ]+\] were already evicted"):
         cache.evict()
-    with pytest.raises(RuntimeError, match="observed twice"):
-        layers[0].observed(observation)
+    assert not hasattr(layers[0], "observed")  # an evicted layer reads no prompt
     layerwise = compress(tiny, ids, parse_method("snapkv/window=8", ratio=0.5))
-    assert all(layerwise.layers[i].state is LayerState.EVICTED for i in layerwise.evicting_layers)
+    assert all(type(layerwise.layers[i]) is EvictedLayer for i in layerwise.evicting_layers)
     assert torch.equal(layerwise.token_ids, ids)
     layers[0].reset()
-    assert layers[0].state is LayerState.PREFILL and layers[0].prefix is None
+    assert type(layers[0]) is PromptLayer and layers[0].phase is PromptPhase.PREFILL
+    assert layers[0].prefix is None
+
+
+def test_a_decode_budget_makes_budgeted_layers(tiny):
+    """With a decode budget the prompt's eviction makes BudgetedLayers (a batch: a
+    BudgetedBatchLayer whose sequences are BudgetedLayers), which keep that kind through
+    their stages; reset() keeps the budget."""
+    policy = parse_method("h2o", ratio=0.5)
+    ids = random_ids(tiny, 20, seed=3)
+    cache = compress(tiny, ids, policy, max_entries=8, every=2)
+    layers = [cache.layers[i] for i in cache.evicting_layers]
+    assert all(type(layer) is BudgetedLayer for layer in layers)
+    with torch.no_grad():
+        for token in random_ids(tiny, 5, seed=4)[0]:
+            tiny(input_ids=token.view(1, 1), cache=cache, use_cache=True)
+    assert all(type(layer) is BudgetedLayer for layer in layers)
+    assert all(layer.decode_state.stages > 1 for layer in layers)
+    with pytest.raises(ValueError, match="crop"):
+        layers[0].crop(-1)
+    layers[0].reset()
+    assert type(layers[0]) is PromptLayer and layers[0].decode_budget.max_entries == 8
+    batch = torch.cat([random_ids(tiny, 20, seed=5), random_ids(tiny, 20, seed=6)])
+    batched = compress(tiny, batch, policy, max_entries=8, every=2)
+    for i in batched.evicting_layers:
+        layer = batched.layers[i]
+        assert type(layer) is BudgetedBatchLayer
+        assert [type(one) for one in layer.sequence_layers] == [BudgetedLayer, BudgetedLayer]
 
 
 def test_reports_give_kept_counts_ratios_mass_and_ess(tiny):

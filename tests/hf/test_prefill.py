@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from probkv.hf import LayerState, ProbKVCache, compress, prepare_model
+from probkv.hf import ProbKVCache, PromptPhase, compress, prepare_model
 from probkv.models.testing import tiny_model
 from probkv.policies import parse_method
 
@@ -105,7 +105,7 @@ def test_with_the_prompt_length_layers_evict_during_their_last_chunk(tiny):
     with torch.no_grad():
         for cache in (layerwise, global_):
             tiny(input_ids=ids[:, :12], cache=cache)
-            assert all(cache.layers[i].state is LayerState.PREFILL for i in cache.evicting_layers)
+            assert all(cache.layers[i].phase is PromptPhase.PREFILL for i in cache.evicting_layers)
             tiny(input_ids=ids[:, 12:29], cache=cache)
             tiny(input_ids=ids[:, 29:], cache=cache)  # a last chunk of one token: still prompt
     assert all(layerwise.layers[i].is_evicted for i in layerwise.evicting_layers)

@@ -28,7 +28,7 @@ from probkv.hf import (
     reconstruct,
     repeat_prompt,
 )
-from probkv.hf.cache import LayerState, ObserveOnly
+from probkv.hf.cache import ObserveOnly, PromptPhase
 from probkv.hf.reconstruct import REPEAT_FIRST, REPEAT_LATER
 from probkv.models.testing import TINY_ARCHITECTURES, tiny_model, tiny_tokenizer
 from probkv.policies import parse_method
@@ -102,7 +102,7 @@ def test_the_pass_leaves_the_cache_bit_identical(tiny):
     for i in cache.evicting_layers:
         layer = cache.layers[i]
         assert layer.observation is not None and layer.scoring is None
-        assert layer.state is LayerState.OBSERVED
+        assert layer.phase is PromptPhase.OBSERVED
 
 
 def repeat_chunks(ids, prompt, chunk_tokens):

@@ -13,7 +13,7 @@ import torch
 
 from probkv.hf import guards
 from probkv.hf.cache import EvictingLayer, ObserveOnly, ProbKVCache
-from probkv.hf.model import is_prepared
+from probkv.hf.model import attention_implementation, is_prepared
 from probkv.hf.reconstruct import RepeatPrompt, reconstruct
 from probkv.policies.base import EvictionPolicy
 
@@ -105,7 +105,7 @@ def _check_prepared(model) -> None:
     if not is_prepared(model):
         raise ValueError(
             "the model is not prepared for probkv: call probkv.hf.prepare_model(model) first "
-            f"(its attn_implementation is {model.config._attn_implementation!r})"
+            f"(its attn_implementation is {attention_implementation(model)!r})"
         )
 
 

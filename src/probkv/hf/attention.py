@@ -6,7 +6,7 @@ dict, so this function receives the layer as ``probkv_layer`` (``probkv.hf.layer
 transformers: a per-thread slot). Layers that are not evicting
 (Gemma-3's sliding-window layers, or a plain ``DynamicCache``) get transformers' own SDPA path.
 
-For an evicting layer, its state (``probkv.hf.cache.LayerState``) decides:
+For an evicting layer, its kind and a prompt layer's phase (``probkv.hf.layers``) decide:
 - ``PREFILL`` (a prompt forward): ``probkv.hf.prefill.observe_prompt_chunk`` computes the output and the
   policy's statistics from the real post-RoPE tensors (``probkv.scores.observation.observe_layer``
   in one pass for a whole prompt, S2; accumulated over the chunks of a chunked prefill); the
@@ -16,8 +16,8 @@ For an evicting layer, its state (``probkv.hf.cache.LayerState``) decides:
   (``AWAITING_RECONSTRUCTION``), whose chunks attend in state ``RECONSTRUCTING``
   (``probkv.hf.reconstruct``: over the cache and the chunk, never stored);
 - ``OBSERVED`` (prefill seen, eviction pending): dense causal attention;
-- ``EVICTED``: one softmax over the ragged weighted prefix (logits ``+ log w``, S4) and the
-  dense tail of tokens added since, which carries no weight; with a decode budget, the rows
+- ``EvictedLayer``: one softmax over the ragged weighted prefix (logits ``+ log w``, S4) and the
+  dense tail of tokens added since, which carries no weight; a ``BudgetedLayer``'s rows
   then feed its statistics and may start a stage (``probkv.hf.decode_budget``, S10.5; in a
   batch, each sequence's own: ``batched_budget_attention``).
 
@@ -32,7 +32,6 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from probkv.hf import layer_handoff
-from probkv.hf.cache import EvictingLayer, LayerState
 from probkv.hf.decode_budget import (
     after_decode_attention,
     decode_rows_needed,
@@ -41,6 +40,7 @@ from probkv.hf.decode_budget import (
     sequence_probabilities,
 )
 from probkv.hf.eviction import evict_decode_stage
+from probkv.hf.layers import BudgetedBatchLayer, BudgetedLayer, EvictingLayer, PromptPhase
 from probkv.hf.prefill import observe_prompt_chunk, prompt_pads
 from probkv.scores import needs_reconstruction
 from probkv.scores.observation import (
@@ -95,8 +95,8 @@ def layer_attention(
     """An evicting layer's attention in its current state (module docstring): query
     ``[Hq, q, d]``, the layer's dense tail ``key``/``value [Hkv, n, d]`` -> ``[Hq, q, d_v]``."""
     layer.attention_done()
-    if layer.state is LayerState.EVICTED:
-        if layer.decode_budget is None:
+    if layer.is_evicted:
+        if not isinstance(layer, BudgetedLayer):
             return evicted_attention(layer, query, scale)
         # S10.5: the statistics read this softmax's probabilities (only if they need them:
         # column sums every step, the latest row at a stage), then a stage if due
@@ -108,13 +108,13 @@ def layer_attention(
         if after_decode_attention(layer, query, probabilities=probs):
             evict_decode_stage(layer, scale)  # the prompt's eviction path (probkv.hf.eviction)
         return out
-    if layer.state is LayerState.RECONSTRUCTING:  # S10.1, probkv.hf.reconstruct
+    if layer.phase is PromptPhase.RECONSTRUCTING:  # S10.1, probkv.hf.reconstruct
         return layer.scoring.attend(layer, query, scale)
-    if layer.state is LayerState.PREFILL and needs_reconstruction(layer.policy.score):
+    if layer.phase is PromptPhase.PREFILL and needs_reconstruction(layer.policy.score):
         # S10.1: the scores come from the pass run after every layer's prefill
         layer.awaits_reconstruction(last_query_attention(query, key, scale))
         return dense_causal_attention(query, key, value, scale)
-    if layer.state is LayerState.PREFILL:  # a prompt chunk, or the whole prompt
+    if layer.phase is PromptPhase.PREFILL:  # a prompt chunk, or the whole prompt
         return observe_prompt_chunk(layer, query[None], key[None], value[None], scale)[0]
     return dense_causal_attention(query, key, value, scale)
 
@@ -135,18 +135,18 @@ def batch_attention(
     layer attends in one call (``batched_evicted_attention``; with a decode budget,
     ``batched_budget_attention``)."""
     layer.attention_done()
-    if layer.sequence_layers is not None:
+    if isinstance(layer, BudgetedBatchLayer):
         return batched_budget_attention(layer, query, scale, mask)
-    if layer.state is LayerState.EVICTED:
+    if layer.is_evicted:
         return batched_evicted_attention(layer, query, scale, mask)
-    if layer.state is LayerState.RECONSTRUCTING:  # S10.1, probkv.hf.reconstruct.BatchScoring
+    if layer.phase is PromptPhase.RECONSTRUCTING:  # S10.1, probkv.hf.reconstruct.BatchScoring
         return layer.scoring.attend(layer, query, scale)
-    if layer.state is LayerState.PREFILL and needs_reconstruction(layer.policy.score):
+    if layer.phase is PromptPhase.PREFILL and needs_reconstruction(layer.policy.score):
         return await_reconstruction(layer, query, key, value, scale, mask)
-    if layer.state is LayerState.PREFILL:
+    if layer.phase is PromptPhase.PREFILL:
         return observe_prompt_chunk(layer, query, key, value, scale, mask)
-    if layer.state is not LayerState.OBSERVED:
-        raise ValueError(f"layer {layer.layer_idx}: a batch cannot attend in state {layer.state}")
+    if layer.phase is not PromptPhase.OBSERVED:
+        raise ValueError(f"layer {layer.layer_idx}: a batch cannot attend in phase {layer.phase}")
     outs = []  # prefill seen, eviction pending: each sequence's dense attention, unpadded
     q_len, t = query.shape[2], key.shape[2]
     for b, pad in enumerate(layer.pads):

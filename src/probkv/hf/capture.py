@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from probkv.hf.api import as_token_ids
-from probkv.hf.model import is_prepared
+from probkv.hf.model import attention_implementation, is_prepared
 
 CAPTURE_KWARG = "probkv_capture"
 
@@ -82,7 +82,7 @@ def capture_attention(
     if not is_prepared(model):
         raise ValueError(
             "capture records probkv's attention function: call probkv.hf.prepare_model(model) "
-            f"first (the model uses {model.config._attn_implementation!r})"
+            f"first (the model uses {attention_implementation(model)!r})"
         )
     ids = as_token_ids(torch.as_tensor(input_ids, dtype=torch.int64)).to(model.device)
     recorder = AttentionRecorder(keep_tensors)

@@ -219,7 +219,7 @@ def stage_due(layer) -> bool:
 def after_decode_attention(
     layer, query: torch.Tensor, probabilities: torch.Tensor | None = None
 ) -> bool:
-    """A decode forward attended over ``layer`` (EVICTED; ``query [Hq, q, d]``): add its rows
+    """A decode forward attended over ``layer`` (a ``BudgetedLayer``; ``query [Hq, q, d]``): add its rows
     to the statistics. Returns whether a head now holds ``B + K`` entries: then the caller
     runs one more stage through ``probkv.hf.eviction.evict_decode_stage``, the eviction path
     the prompt's stage takes too.
@@ -330,8 +330,8 @@ def _stage_policy(policy, budget: DecodeBudget, n: int, stage: int, head: int):
 # A batch held to a decode budget: each sequence's stages come at the steps they come alone
 # (its prompt's length, and a pps stage's ragged count, decide them), with its own seeds and
 # statistics. So from the prompt's eviction on, each sequence is a single-sequence layer of its
-# own (``EvictingLayer.sequence_layers``), which every function above serves unchanged: its
-# prefix, its dense tail (sized as alone: no sequence's entries linger in a shared buffer after
+# own (``BudgetedBatchLayer.sequence_layers``, ``probkv.hf.layers``), which every function
+# above serves unchanged: its prefix, its dense tail (sized as alone: no sequence's entries linger in a shared buffer after
 # its stage), its ``LayerDecodeState``. The batch layer keeps the sequences' prefixes joined
 # into one ragged prefix of ``B * Hkv`` (sequence, KV head) segments, whose slices are the
 # sequences' prefixes (views, no copy), so that decode attention stays one call over all
@@ -339,25 +339,11 @@ def _stage_policy(policy, budget: DecodeBudget, n: int, stage: int, head: int):
 
 
 def split_batch(layer) -> list:
-    """Before the prompt's eviction of a batch ``layer`` (``OBSERVED``, holding the padded
-    prompt): one single-sequence layer per sequence, holding that sequence's unpadded prompt
-    (views of the batch's tail) and observation, as if that prompt had been read alone."""
-    sequences = []
-    for b, pad in enumerate(layer.pads):
-        one = type(layer)(
-            layer.layer_idx, layer.policy, layer.rank, layer.num_evicting, None, layer.decode_budget
-        )
-        one.device, one.dtype, one.num_heads = layer.device, layer.dtype, layer.num_heads
-        one.batch_size, one.is_initialized = 1, True
-        one.tail = layer.tail.sequence(b, pad)
-        one.prompt.length = one.tail.length
-        one.prompt.complete = True
-        one.prompt.pads = [0]
-        one.prompt.observations = [layer.observations[b]]
-        one.state = type(layer.state).OBSERVED
-        sequences.append(one)
-    layer.sequence_layers = sequences
-    return sequences
+    """Before the prompt's eviction of a batch ``layer`` (an ``OBSERVED`` ``PromptLayer``,
+    holding the padded prompt): one single-sequence layer per sequence, holding that
+    sequence's unpadded prompt (views of the batch's tail) and observation, as if that prompt
+    had been read alone (``PromptLayer.split_sequences``)."""
+    return layer.split_sequences()
 
 
 def join_batch(layer) -> None:
@@ -390,20 +376,16 @@ def join_batch(layer) -> None:
     h = layer.num_heads
     for b, (one, p) in enumerate(zip(sequences, parts)):
         first, last = joined.offsets[b * h], joined.offsets[(b + 1) * h]
-        one.prefix = RaggedPrefix(
-            keys=joined.keys[first:last],
-            values=joined.values[first:last],
-            log_weights=None if p.log_weights is None else joined.log_weights[first:last],
-            lengths=p.lengths,
-            covers=p.covers,
+        one.share_prefix(
+            RaggedPrefix(
+                keys=joined.keys[first:last],
+                values=joined.values[first:last],
+                log_weights=None if p.log_weights is None else joined.log_weights[first:last],
+                lengths=p.lengths,
+                covers=p.covers,
+            )
         )
-    layer.prefix = joined
-    if layer.state is not type(layer.state).EVICTED:  # the prompt's eviction
-        layer.tail.clear()
-        layer.prompt = type(layer.prompt)(
-            layer.prompt.length, complete=True, pads=layer.prompt.pads
-        )
-        layer.state = type(layer.state).EVICTED
+    layer.hold_prefix(joined)  # a BudgetedBatchLayer from the prompt's eviction on
     layer.record_report([one.sequence_reports[0] for one in sequences])
     record_batch_peak(layer)
 

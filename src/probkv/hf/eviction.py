@@ -11,8 +11,7 @@ records the layer's report (``LayerReport``: the cache as it is after this evict
 - ``evict_decode_stage``: one more stage of a decode budget (S10.5), on the observations
   ``probkv.hf.decode_budget.next_stage`` builds from the statistics.
 
-Layers are ``probkv.hf.cache``'s ``EvictingLayer`` (not imported: the cache imports this
-module).
+Layers are ``probkv.hf.layers``' kinds (not imported: that module imports this one).
 """
 
 from __future__ import annotations

@@ -79,7 +79,7 @@ def prepare_model(model):
     """
     check_model_supported(model)
     register_attention()
-    if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+    if attention_implementation(model) != ATTN_IMPLEMENTATION:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
     if getattr(model.generate, "__func__", None) is not _checked_generate:
         model.generate = types.MethodType(_checked_generate, model)
@@ -128,5 +128,11 @@ def _checked_generate(self, *args, **kwargs):
     return out
 
 
+def attention_implementation(model) -> str:
+    """The attention implementation ``model`` runs (transformers keeps it in the config's
+    ``_attn_implementation``, which ``set_attn_implementation`` writes: read here only)."""
+    return model.config._attn_implementation
+
+
 def is_prepared(model) -> bool:
-    return model.config._attn_implementation == ATTN_IMPLEMENTATION
+    return attention_implementation(model) == ATTN_IMPLEMENTATION

@@ -87,7 +87,7 @@ def observe_prompt_chunk(
     scale: float,
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """A prefill forward of an ``EvictingLayer`` in state ``PREFILL``: its attention output,
+    """A prefill forward of a ``PromptLayer`` in phase ``PREFILL``: its attention output,
     and the observation once the prompt is known to end here, or provisionally when its end
     is unknown (module docstring). ``query [B, Hq, q, d]``: the chunk's rows; ``key``/``value
     [B, Hkv, t, d]``: every entry so far, the chunk's last; ``mask``: the forward's 4D

@@ -3,7 +3,7 @@
 After the prefill of a context (every layer observed, nothing evicted yet), the model reads
 "repeat the previous context" followed by the context again, in chunks
 (``probkv.scores.reconstruction.reconstruction_chunks``). Each chunk is one forward with the cache
-in *scoring* mode: an ``EvictingLayer`` in state ``RECONSTRUCTING`` (its ``scoring`` set) hands
+in *scoring* mode: a ``PromptLayer`` in phase ``RECONSTRUCTING`` (its ``scoring`` set) hands
 the chunk's keys and values to the attention function without storing them, which calls
 ``LayerScoring.attend`` (attention over the ``t`` cached entries plus the chunk,
 causal; ``probkv.scores.reconstruction.reconstruction_attention``), which accumulates the layer's
@@ -30,7 +30,7 @@ import torch
 
 from probkv import scores as score_fns
 from probkv.estimation.calibration import reference_stride
-from probkv.hf.cache import EvictingLayer, LayerState
+from probkv.hf.layers import EvictingLayer, PromptPhase
 from probkv.scores.observation import LayerObservation
 from probkv.scores.reconstruction import (
     DEFAULT_CHUNK_TOKENS,
@@ -247,7 +247,7 @@ def reconstruct(
     instruction (``RepeatPrompt()``) and warns: KVzip's prompt needs the tokenizer.
     """
     layers = [cache.layers[i] for i in cache.evicting_layers]
-    if not all(layer.state is LayerState.AWAITING_RECONSTRUCTION for layer in layers):
+    if not all(layer.phase is PromptPhase.AWAITING_RECONSTRUCTION for layer in layers):
         raise ValueError(
             "reconstruct() needs a cache whose prefill observed a reconstruction score "
             f"({', '.join(score_fns.RECONSTRUCTION_SCORES)}) and was not reconstructed yet"
