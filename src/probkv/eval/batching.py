@@ -81,7 +81,8 @@ def run_batch(
     if jobs[0][0] == FULL:
         yield from rows(FULL, jobs[0][1], *_run_full(model, befores, afters, gen_kw))
         return
-    first = parse_method(*jobs[0])
+    policies = [parse_method(method, ratio) for method, ratio in jobs]  # parsed once
+    first = policies[0]
     rec = {"repeat_prompt": repeat_prompt(tokenizer)} if needs_reconstruction(first.score) else {}
     if len(jobs) == 1:
         start = time.perf_counter()
@@ -92,11 +93,11 @@ def run_batch(
     start = time.perf_counter()
     observed = observe(model, befores, first.score, first.score_params, **rec)
     shared_s = (time.perf_counter() - start) / size
-    for i, (method, ratio) in enumerate(jobs):
+    for i, ((method, ratio), policy) in enumerate(zip(jobs, policies, strict=True)):
         start = time.perf_counter()
         cache = observed if i == len(jobs) - 1 else copy.deepcopy(observed)
         with torch.no_grad():
-            cache.evict(parse_method(method, ratio))
+            cache.evict(policy)
         prefill_s = shared_s + (time.perf_counter() - start) / size
         yield from rows(method, ratio, *_decode(model, cache, afters, gen_kw, prefill_s, len(jobs)))
 

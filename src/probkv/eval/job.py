@@ -235,13 +235,14 @@ def run_unit(model, tokenizer, unit: Unit, settings: JobSettings) -> Iterator[di
         yield row(FULL, unit.jobs[0][1], *_run_full(model, before_t, after_t, gen_kw))
         return
 
+    policies = [parse_method(method, ratio) for method, ratio in unit.jobs]  # parsed once
     # KVzip-style scores (S10.1) reconstruct the context with the tokenizer's repeat prompt.
-    first = parse_method(*unit.jobs[0])
+    first = policies[0]
     rec = {"repeat_prompt": repeat_prompt(tokenizer)} if needs_reconstruction(first.score) else {}
     if len(unit.jobs) == 1:
         method, ratio = unit.jobs[0]
         start = time.perf_counter()
-        cache = compress(model, before_t, parse_method(method, ratio), **rec)
+        cache = compress(model, before_t, first, **rec)
         prefill_s = time.perf_counter() - start
         yield row(method, ratio, *_decode(model, cache, after_t, gen_kw, prefill_s, 1))
         return
@@ -250,8 +251,7 @@ def run_unit(model, tokenizer, unit: Unit, settings: JobSettings) -> Iterator[di
     start = time.perf_counter()
     observed = observe(model, before_t, first.score, first.score_params, **rec)
     shared_s = time.perf_counter() - start
-    for i, (method, ratio) in enumerate(unit.jobs):
-        policy = parse_method(method, ratio)
+    for i, ((method, ratio), policy) in enumerate(zip(unit.jobs, policies, strict=True)):
         start = time.perf_counter()
         cache = observed if i == len(unit.jobs) - 1 else copy.deepcopy(observed)
         with torch.no_grad():
