@@ -33,12 +33,13 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 from probkv.vllm.options import (
-    ARCHITECTURES,
     KVZAP,
     EngineEviction,
     check_budget,
+    model_problems,
     policy_for,
     request_options,
 )
@@ -102,17 +103,9 @@ def check_model(model_path: str, tensor_parallel_size: int = 1) -> None:
     and KV heads do not divide over ``tensor_parallel_size`` ranks: ValueError naming it."""
     config = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
     config = config.get("text_config", config)
-    archs = list(config.get("architectures") or [])
-    if not set(archs) & set(ARCHITECTURES):
-        raise ValueError(
-            f"--engine vllm: model architecture {archs} of {model_path}: probkv's vLLM plugin "
-            f"supports {list(ARCHITECTURES)}"
-        )
-    if config.get("sliding_window") and config.get("use_sliding_window", True):
-        raise ValueError(
-            f"--engine vllm: {model_path} uses sliding-window attention "
-            f"(sliding_window={config['sliding_window']}), which the plugin does not support"
-        )
+    problems = list(model_problems(SimpleNamespace(**config)))  # the plugin's own checks
+    if problems:
+        raise ValueError(f"--engine vllm: {model_path}: " + "; ".join(problems))
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads", heads)
     if heads % tensor_parallel_size:

@@ -15,7 +15,7 @@ Python on vLLM's config objects, read by attribute; nothing is imported from vLL
 from __future__ import annotations
 
 import numbers
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from probkv import scores
@@ -375,12 +375,18 @@ def _engine_problems(config):
         yield f"scheduler_cls={scheduler!r}: probkv sets its own ({SCHEDULER})"
     if getattr(config.scheduler_config, "async_scheduling", False):
         yield "async_scheduling=True: not supported (start vLLM without --async-scheduling)"
-    hf = config.model_config.hf_config
+    yield from model_problems(config.model_config.hf_config)
+
+
+def model_problems(hf) -> Iterator[str]:
+    """What the plugin cannot evict in, from a model's config (``hf``: vLLM's ``hf_config``, a
+    transformers config or its ``config.json`` as attributes): its architecture, sliding-window
+    attention."""
     archs = tuple(getattr(hf, "architectures", None) or ())
     if not set(archs) & set(ARCHITECTURES):
         yield f"model architecture {list(archs)}: supported are {list(ARCHITECTURES)}"
     if getattr(hf, "sliding_window", None) and getattr(hf, "use_sliding_window", True):
-        yield f"sliding_window={hf.sliding_window}: sliding-window attention is not supported"
+        yield (f"sliding-window attention (sliding_window={hf.sliding_window}) is not supported")
 
 
 def check_budget(
