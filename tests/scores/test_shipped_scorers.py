@@ -23,6 +23,11 @@ def test_shipped_scorers_load_with_their_form_shapes_and_deterministic_scores():
     scorers = {s.name: s for s in sg.shipped_scorers()}
     assert {"smollm2-135m", "gemma3-270m"} <= set(scorers)
     assert scorers["smollm2-135m"].form == "mlp"
+    # Gemma-3's MLP form: held out 0.856 Spearman against its ridge fit's 0.769 (same contexts)
+    gemma = scorers["gemma3-270m"]
+    assert gemma.form == "mlp" and sorted(gemma.layers) == [5, 11, 17]  # its global layers
+    by_form = gemma.metrics["by_form"]
+    assert by_form["mlp"]["spearman_mean"] > by_form["linear"]["spearman_mean"]
     # its default threshold, chosen on training-seed prompts, with the measurements behind it
     assert scorers["smollm2-135m"].threshold == -5.0
     choice = scorers["smollm2-135m"].metrics["threshold_choice"]
