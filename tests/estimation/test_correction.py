@@ -23,6 +23,7 @@ from probkv.estimation import (
     inclusion_log_weights,
     kish_effective_sample_size,
     pps_log_weights,
+    ragged_corrected_attention,
 )
 from probkv.sampling import pps_inclusion_probabilities, sample_counts, systematic_sample
 from probkv.sampling.sample_size import samples_for_ratio
@@ -185,6 +186,52 @@ def _prefill(t=40, d=8, d_v=4, seed=0):
     p = torch.softmax(logits, -1)
     pi = 0.6 * p + 0.4 / t  # a reasonable proposal: full support, close to the target
     return q, key, value, logits, p, pi
+
+
+def test_ragged_corrected_attention_is_algorithm_1_per_head():
+    """The ragged reference (Ada-KV's flattened prefix, a head may keep nothing): every query
+    row equals the paper's Algorithm 1 written literally over its head's kept entries and the
+    new entries it sees (causal among the newest q, excluded slots dropped), in float64; the
+    same with float32 inputs to float32 precision."""
+    lengths, g, q_len, t, d, d_v = [4, 0, 7], 2, 3, 5, 8, 5
+    s, n = len(lengths), sum(lengths)
+    query = randn(s, g, q_len, d, seed=30)
+    keys, values, lw = randn(n, d, seed=31), randn(n, d_v, seed=32), randn(n, seed=33).float()
+    new_k, new_v = randn(s, t, d, seed=34), randn(s, t, d_v, seed=35)
+    excluded = torch.zeros(s, t, dtype=torch.bool)
+    excluded[2, 1] = True
+    got = ragged_corrected_attention(
+        query, keys, values, lw, lengths, new_k, new_v, scale=0.5, new_excluded=excluded
+    )
+    assert got.shape == (s, g, q_len, d_v) and got.dtype == torch.float64
+    offsets = [0, 4, 4, 11]
+    for h in range(s):
+        a, b = offsets[h], offsets[h + 1]
+        for j in range(q_len):
+            seen = [i for i in range(t - q_len + j + 1) if not excluded[h, i]]
+            for k in range(g):
+                ref = corrected_attention_reference(
+                    query[h, k, j], keys[a:b], values[a:b], lw[a:b].double(),
+                    new_k[h, seen], new_v[h, seen], scale=0.5,
+                )  # fmt: skip
+                assert torch.allclose(got[h, k, j], ref, rtol=1e-12, atol=1e-13)
+    unweighted = ragged_corrected_attention(
+        query, keys, values, None, lengths, new_k, new_v, scale=0.5
+    )
+    zeros = ragged_corrected_attention(
+        query, keys, values, torch.zeros(n), lengths, new_k, new_v, scale=0.5
+    )
+    assert torch.equal(unweighted, zeros)
+    single = ragged_corrected_attention(
+        query.float(), keys.float(), values.float(), lw, lengths, new_k.float(), new_v.float(),
+        scale=0.5, new_excluded=excluded,
+    )  # fmt: skip
+    assert single.dtype == torch.float32
+    torch.testing.assert_close(single, got.float(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="len\\(lengths\\)"):
+        ragged_corrected_attention(query, keys, values, lw, [4, 7], new_k, new_v, scale=0.5)
+    with pytest.raises(ValueError, match="T >= q"):
+        ragged_corrected_attention(query, keys, values, lw, lengths, new_k[:, :2], new_v, scale=0.5)
 
 
 def test_tau_inf_is_plain_attention_over_kept_set():

@@ -14,6 +14,7 @@ from probkv.estimation.correction import (
     inclusion_log_weights,
     kish_effective_sample_size,
     pps_log_weights,
+    ragged_corrected_attention,
 )
 from probkv.sampling import (
     Count,
@@ -28,4 +29,5 @@ __all__ = [
     "inclusion_log_weights",
     "kish_effective_sample_size",
     "pps_log_weights",
+    "ragged_corrected_attention",
 ]

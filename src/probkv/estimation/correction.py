@@ -317,6 +317,76 @@ def corrected_attention(
     return out.flatten(0, 1).to(query.dtype)
 
 
+def ragged_corrected_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    log_weights: torch.Tensor | None,
+    lengths: list[int],
+    new_keys: torch.Tensor,
+    new_values: torch.Tensor,
+    *,
+    scale: float,
+    new_excluded: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Corrected attention over a ragged kept prefix, the slow and obvious way: one
+    ``corrected_attention`` per head (S4). The reference the fast decode paths are tested
+    against (``probkv.hf.attention``'s segment softmax over the same layout; vLLM's kernels
+    against ``corrected_attention`` itself).
+
+    The prefix is Ada-KV's flattened layout: head ``s``'s kept entries are rows
+    ``sum(lengths[:s]) ..`` of ``keys``/``values``/``log_weights``, head after head (a head may
+    keep nothing). After them every head holds ``T`` entries created after eviction, which
+    carry no weight; the ``q`` query rows are the newest ``q`` of them, causal among
+    themselves (row ``j`` sees new entries ``i <= T - q + j``).
+
+    Args:
+        query: ``[S, g, q, d]``: head ``s``'s ``g`` query heads (a GQA group) at ``q`` rows.
+        keys: ``[N, d]``; values: ``[N, d_v]``; log_weights: ``[N]`` or ``None`` (all 0).
+        lengths: ``S`` kept counts summing to ``N``.
+        new_keys: ``[S, T, d]``; new_values: ``[S, T, d_v]`` (``T >= q``).
+        scale: attention scaling.
+        new_excluded: ``[S, T]`` bool, new slots that are no entry (padding), or ``None``.
+
+    Returns:
+        ``[S, g, q, d_v]`` in ``query``'s dtype, computed in at least float32.
+    """
+    segments, _, rows, _ = query.shape if query.ndim == 4 else (None, None, None, None)
+    if segments != len(lengths) or sum(lengths) != keys.shape[0]:
+        raise ValueError(
+            f"expected query [S, g, q, d] with S = len(lengths) and keys [sum(lengths), d]; got "
+            f"query {tuple(query.shape)}, {len(lengths)} lengths summing to {sum(lengths)}, "
+            f"keys {tuple(keys.shape)}"
+        )
+    if new_keys.shape[:1] != (segments,) or new_keys.shape[1] < rows:
+        raise ValueError(
+            f"new_keys must be [S, T, d] with T >= q = {rows}, got {tuple(new_keys.shape)}"
+        )
+    dtype = torch.promote_types(query.dtype, torch.float32)
+    t = new_keys.shape[1]
+    new_log_weights = torch.zeros(segments, t, dtype=dtype, device=query.device)
+    if new_excluded is not None:
+        new_log_weights = new_log_weights.masked_fill(new_excluded, -math.inf)
+    outs, start = [], 0
+    for s, n in enumerate(lengths):
+        kept = slice(start, start + n)
+        start += n
+        kept_lw = torch.zeros(n, dtype=dtype, device=query.device)
+        if log_weights is not None:
+            kept_lw = log_weights[kept].to(dtype)
+        outs.append(
+            corrected_attention(
+                query[s],
+                torch.cat([keys[kept], new_keys[s]])[None],
+                torch.cat([values[kept], new_values[s]])[None],
+                torch.cat([kept_lw, new_log_weights[s]])[None],
+                scale=scale,
+                causal_offset=n + t - rows,
+            )
+        )
+    return torch.stack(outs)
+
+
 def kish_effective_sample_size(log_weights: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
     """Kish's effective sample size per row, ``(sum w)^2 / sum w^2`` over kept entries.
 

@@ -274,7 +274,9 @@ def batched_budget_attention(
 def evicted_attention(layer, query: torch.Tensor, scale: float) -> torch.Tensor:
     """Decode attention after eviction (S4, Algorithm 1 in its fast form): prefix logits get
     ``+ log w`` and share one softmax with the tail, whose newest ``q`` entries are the queries
-    themselves (causal among them). query ``[Hq, q, d]`` -> ``[Hq, q, d_v]``."""
+    themselves (causal among them). query ``[Hq, q, d]`` -> ``[Hq, q, d_v]``. Every path here
+    (uniform, ragged batched or per head, a batch's segments) is tested against the slow
+    reference over the same layout, ``probkv.estimation.ragged_corrected_attention``."""
     return _evicted_attention(layer, query, scale, False)[0]
 
 
@@ -402,16 +404,11 @@ def _padded_probabilities(prefix, tail_logits):
     return zeros, place, tail_place
 
 
-def ragged_merge_per_head(prefix, qg, tail_logits, tail_v, scale: float) -> torch.Tensor:
-    """The obvious form of the batched ragged decode (``_ragged_batched``): a Python loop over
-    heads, one softmax over prefix and tail each; the reference in tests, and the CPU path
-    (``RAGGED_BATCHED_ON_CPU``)."""
-    return _ragged_per_head(prefix, qg, tail_logits, tail_v, scale, False)[0]
-
-
 def _ragged_per_head(prefix, qg, tail_logits, tail_v, scale: float, keep_probs: bool):
-    """``ragged_merge_per_head``; with ``keep_probs`` also each head's probabilities, padded
-    (``[H, R, max length + T]``, ``evicted_attention_with_probabilities``)."""
+    """The ragged decode as a Python loop over heads, one softmax over prefix and tail each
+    (the CPU path, ``RAGGED_BATCHED_ON_CPU``); with ``keep_probs`` also each head's
+    probabilities, padded (``[H, R, max length + T]``,
+    ``evicted_attention_with_probabilities``)."""
     outs, probs = [], []
     for i in range(len(prefix.lengths)):
         keys, values, log_weights = prefix.head(i)
