@@ -95,3 +95,14 @@ def test_cli_writes_rows_and_plot(tmp_path, monkeypatch, capsys):
     assert cli.main([*argv[:-6], "--budget", "8", "--out", str(out), "--text", "nofile"]) == 2
     assert "nofile" in capsys.readouterr().err
     torch.set_num_threads(threads)
+
+
+def test_the_vllm_engine_checks_its_methods_by_the_plugins_rules():
+    # aggregate is an option of the model-wide scope the vLLM plugin always uses; the hf
+    # engine's default scope (per head) refuses it
+    config = LongDecodeConfig(16, 4, 8, methods=("tova/aggregate=max",), engine="vllm")
+    assert config.methods == ("tova/aggregate=max",)
+    with pytest.raises(ValueError, match="aggregate='max' is an option of the model-wide scope"):
+        LongDecodeConfig(16, 4, 8, methods=("tova/aggregate=max",))
+    with pytest.raises(ValueError, match="engine must be 'hf' or 'vllm', got 'sglang'"):
+        LongDecodeConfig(16, 4, 8, engine="sglang")

@@ -287,6 +287,7 @@ def run_long_decode_command(args: argparse.Namespace) -> int:
         every=args.every,
         methods=tuple(args.methods),
         seeds=args.seeds,
+        engine=args.engine,
     )
 
     def progress(row: dict) -> None:

@@ -41,7 +41,9 @@ class LongDecodeConfig:
     run with every method against one full-cache run), ``every`` (K), ``methods``
     (registry names; ``full`` is always run first), ``seeds`` per sampled method,
     ``error_steps``: decode forwards (0-based, ``N - 1`` of them) whose attention error is
-    recorded (default: four, evenly spread over the run)."""
+    recorded (default: four, evenly spread over the run); ``engine``: ``hf`` (methods checked
+    here against a transformers decode budget) or ``vllm`` (checked by the plugin's rules,
+    model-wide blocks, in :func:`run_long_decode_vllm`)."""
 
     prompt_tokens: int
     tokens: int
@@ -50,6 +52,7 @@ class LongDecodeConfig:
     methods: tuple[str, ...] = ("streaming_llm", "h2o", "tova", "prob:h2o-h")
     seeds: int = 1
     error_steps: tuple[int, ...] | None = None
+    engine: str = "hf"
 
     def __post_init__(self) -> None:
         for name in ("prompt_tokens", "tokens", "every", "seeds"):
@@ -66,11 +69,16 @@ class LongDecodeConfig:
             check_positive_int(b, "budget")
         _refuse_duplicates("budget", [str(b) for b in budgets])
         object.__setattr__(self, "budget", budgets[0] if len(budgets) == 1 else budgets)
+        if self.engine not in ("hf", "vllm"):
+            raise ValueError(f"engine must be 'hf' or 'vllm', got {self.engine!r}")
         if not self.methods:
             raise ValueError("methods is empty; give at least one method name, e.g. h2o")
         names = []
         for m in self.methods:
             if m == FULL:
+                continue
+            if self.engine != "hf":  # the plugin's own rules (scope=model) check the names
+                names.append(m)
                 continue
             policy = parse_method(m)  # unknown names fail before any work
             try:  # and so does a method no decode budget can hold (every one, before any run)
@@ -312,6 +320,8 @@ def run_long_decode(
     from probkv.models import load_model, model_max_positions
     from probkv.models.dtypes import MODEL_DTYPES, resolve_dtype_name
 
+    if config.engine != "hf":
+        raise ValueError(f"run_long_decode runs engine='hf' configs, got {config.engine!r}")
     path = check_output_file(out, "--out")  # every input is checked before the model loads
     need = config.prompt_tokens + config.tokens
     words = read_text(text, words=need * 2)
@@ -359,6 +369,10 @@ def run_long_decode_vllm(
     from probkv.models import load_tokenizer, model_max_positions, resolve_model
     from probkv.vllm.engine import check_budget_methods, check_model  # pure: no vLLM import
 
+    if config.engine != "vllm":
+        raise ValueError(
+            f"run_long_decode_vllm needs a config with engine='vllm', got {config.engine!r}"
+        )
     path = check_output_file(out, "--out")
     if config.seeds != 1:
         raise ValueError(
