@@ -253,6 +253,18 @@ def test_a_bad_request_option_is_refused_with_the_value_and_what_is_allowed(extr
         check_request(extra_args, ENGINE, 32)
 
 
+def test_model_wide_options_are_read_at_ratio_zero_and_under_a_budget():
+    """A request that evicts nothing now (ratio 0, or a decode budget, whose stages set their
+    own ratio) names options of the model-wide scope the engine reads (``aggregate``): they
+    are checked at that scope, not refused as options of the per-head one."""
+    full = EngineEviction("full", 0.0)
+    budget = request_options("tova/aggregate=max", 0.5, max_entries=256, every=32)
+    assert check_request(budget, full, 32).method == "tova/aggregate=max"
+    assert check_request(request_options("tova/aggregate=max", 0.0), full, 32).ratio == 0.0
+    with pytest.raises(ValueError, match=r"aggregate.*'mean'"):
+        check_request(request_options("tova/aggregate=mean", 0.0), full, 32)
+
+
 def test_the_admission_check_reads_the_engines_model_and_ranks():
     """kvzap per request: the model's shipped scorer and the tensor-parallel split are checked
     as for the engine's own option."""

@@ -264,7 +264,11 @@ def policy_for(
             "layer and head (scope=model); use a ratio (topk:kvzap/scope=model or prob:kvzap)"
         )
     if isinstance(base, FullCache) or ratio == 0:
-        parse_method(method, ratio)  # full takes no options
+        if isinstance(base, FullCache) or _unsupported(base):
+            parse_method(method, ratio)  # full takes no options
+        else:  # nothing evicted now (a decode budget's stages set their own ratio), but the
+            # options are checked as the engine would read them: scope=model, its blocks
+            policy_for(method, 0.5, block_size, None, tensor_parallel_size)
         return None
     why = _unsupported(base)
     if why:
