@@ -1,7 +1,8 @@
 """Tensor parallelism: every rank observes its own KV heads, the observations are gathered over
 the TP group, and every rank applies the same selection: TP 3 (SmolLM2 has 9 query and 3 KV
 heads, so 2 does not divide them) gives TP 1's tokens, log-probs and freed blocks in float32,
-kvzap included (each rank's share of every head's prediction summed over the group). Each
+kvzap included (each rank's share of every head's prediction summed over the group), and so
+do requests held to a decode budget (stages at the same steps, the same blocks kept). Each
 engine runs in a subprocess (vLLM's workers are spawned processes)."""
 
 from __future__ import annotations
@@ -33,9 +34,11 @@ llm = vllm.LLM(model=str(resolve_model("smollm2-135m").path), dtype="float32", e
                max_model_len=1024, kv_cache_memory_bytes=128 << 20,
                tensor_parallel_size=tp, seed=0, **engine_options("prob:snapkv", 0.5, report=report))
 out = {}
-for method in ("prob:snapkv", "tova", "prob:kvzap", "topk:kvzap"):
-    params = vllm.SamplingParams(temperature=0, max_tokens=6, logprobs=0,
-                                 extra_args=request_options(method, 0.5))
+for method in ("prob:snapkv", "tova", "prob:kvzap", "topk:kvzap", "snapkv@64", "tova@64"):
+    name, _, budget = method.partition("@")  # @B: a decode budget of B positions, K = 32
+    extra = request_options(name, 0.5, **({"max_entries": int(budget), "every": 32} if budget else {}))
+    params = vllm.SamplingParams(temperature=0, max_tokens=96 if budget else 6, logprobs=0,
+                                 ignore_eos=True, extra_args=extra)
     o = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0]
     out[method] = [list(o.token_ids), [next(iter(s.values())).logprob for s in o.logprobs]]
 print("RESULT " + json.dumps(out))
@@ -68,7 +71,13 @@ def test_three_ranks_decode_and_free_what_one_rank_does(tmp_path):
         assert three[method][0] == one[method][0]
         assert max(abs(a - b) for a, b in zip(three[method][1], one[method][1])) < 1e-4
     keep = ("freed_blocks", "kept_positions", "prompt_length", "num_blocks", "method")
-    assert [{k: r[k] for k in keep} for r in rows_three] == [
-        {k: r[k] for k in keep} for r in rows_one
+    keep += ("stages", "stage_length", "peak_positions")  # a decode budget's stages (@64)
+    assert [{k: r.get(k) for k in keep} for r in rows_three] == [
+        {k: r.get(k) for k in keep} for r in rows_one
     ]
     assert all(r["freed_blocks"] > 0 for r in rows_one)
+    stages: dict[str, int] = {}  # a budgeted request's report has a row per stage
+    for r in rows_one:
+        if r.get("stages"):
+            stages[r["request_id"]] = max(stages.get(r["request_id"], 0), r["stages"])
+    assert len(stages) == 2 and min(stages.values()) >= 3
