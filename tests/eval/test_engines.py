@@ -108,7 +108,9 @@ def test_vllm_model_checks_from_its_config(tmp_path):
         check_model(_folder(tmp_path), 2)
     with pytest.raises(ValueError, match=r"architecture \['Gemma3ForCausalLM'\]"):
         check_model(_folder(tmp_path, architectures=["Gemma3ForCausalLM"]))
-    with pytest.raises(ValueError, match=r"sliding-window attention \(sliding_window=512\) is not supported"):
+    with pytest.raises(
+        ValueError, match=r"sliding-window attention \(sliding_window=512\) is not supported"
+    ):
         check_model(_folder(tmp_path, sliding_window=512))
 
 
