@@ -82,3 +82,15 @@ def test_long_decode_rows_give_the_gap_to_the_full_cache_per_method(runner, ids)
     with pytest.raises(ValueError, match="fewer than prompt_tokens"):
         long_decode_rows(runner, ids[:10], prompt_tokens=8, tokens=4, budgets=[64], every=32,
                          methods=["tova"])  # fmt: skip
+
+
+def test_a_budgets_window_wider_than_a_block_is_computed_after_a_prefix_hit(runner, ids):
+    """The jobs share their prompt through the prefix cache, and the engine's own method is
+    ``full`` at ratio 0: a budgeted request's first stage still reads its window's 128 rows
+    (four blocks), which the prefix cache must leave to be computed (it once let the engine
+    fail). Last in the module: a failure here stops the engine."""
+    rows = long_decode_rows(
+        runner, ids, prompt_tokens=192, tokens=60, budgets=[160], every=32,
+        methods=["snapkv/window=128"],
+    )  # fmt: skip
+    assert rows[1]["stages"] >= 2 and rows[1]["peak_positions"] <= 160 + 32 + 32

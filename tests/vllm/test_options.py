@@ -265,6 +265,17 @@ def test_model_wide_options_are_read_at_ratio_zero_and_under_a_budget():
         check_request(request_options("tova/aggregate=mean", 0.0), full, 32)
 
 
+def test_a_window_the_budget_cannot_hold_is_refused_by_name():
+    """A stage keeps the positions of the score's last query rows (SnapKV's window) and the
+    last, partial block: a budget below both could never get back to B."""
+    full = EngineEviction("full", 0.0)
+    wide = request_options("snapkv/window=128", 0.5, max_entries=128, every=32)
+    with pytest.raises(ValueError, match=r"last 128 query rows.*probkv_max_entries >= 160"):
+        check_request(wide, full, 32)
+    fits = request_options("snapkv/window=128", 0.5, max_entries=160, every=32)
+    assert check_request(fits, full, 32).max_entries == 160
+
+
 def test_the_admission_check_reads_the_engines_model_and_ranks():
     """kvzap per request: the model's shipped scorer and the tensor-parallel split are checked
     as for the engine's own option."""

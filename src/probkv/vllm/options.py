@@ -414,4 +414,11 @@ def check_budget(
     why = budget_refusal(method, policy)
     if why:
         raise ValueError(f"method {method!r} under a decode budget ({max_name}): {why}")
+    rows = scores.last_query_rows(policy.score, policy.score_params)
+    if rows + block_size > budget.max_entries:  # the window's positions stay, and the last block
+        raise ValueError(
+            f"method {method!r} under a decode budget: a stage keeps the positions of its last "
+            f"{rows} query rows and the last, partial block, more than {max_name}="
+            f"{budget.max_entries}; use {max_name} >= {rows + block_size} or a smaller window"
+        )
     return budget

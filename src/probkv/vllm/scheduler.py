@@ -60,7 +60,10 @@ class ProbKVScheduler(Scheduler):
         if self.probkv is None or request.request_id in self.probkv_evicted:
             return None  # not evicting, or the kept set is known: the prompt needs no observing
         chosen = opts.request_eviction(request.sampling_params.extra_args, self.probkv)
-        policy = opts.policy_for(chosen.method, chosen.ratio, self.block_size)
+        ratio = chosen.ratio
+        if chosen.max_entries is not None:  # a decode budget observes its prompt at stage 1,
+            ratio = 0.5  # at the budget's ratio; the rows it reads depend on the score alone
+        policy = opts.policy_for(chosen.method, ratio, self.block_size)
         if policy is None:
             return None
         t = request.num_prompt_tokens
