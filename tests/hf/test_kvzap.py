@@ -13,8 +13,8 @@ import torch
 
 from probkv import scores
 from probkv.hf import ProbKVCache, compress, decode_budget, observe, prepare_model
-from probkv.hf.cache import EvictingLayer
 from probkv.hf.decode_budget import DecodeBudget
+from probkv.hf.layers import EvictingLayer
 from probkv.models.testing import tiny_model
 from probkv.policies import parse_method
 from probkv.policies.topk import threshold_count

@@ -28,7 +28,8 @@ from probkv.hf import (
     reconstruct,
     repeat_prompt,
 )
-from probkv.hf.cache import ObserveOnly, PromptPhase
+from probkv.hf.layers import PromptPhase
+from probkv.hf.prefill import ObserveOnly
 from probkv.hf.reconstruct import REPEAT_FIRST, REPEAT_LATER
 from probkv.models.testing import TINY_ARCHITECTURES, tiny_model, tiny_tokenizer
 from probkv.policies import parse_method

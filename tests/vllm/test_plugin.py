@@ -125,7 +125,7 @@ def test_kvzap_keeps_the_blocks_and_decodes_as_the_transformers_integration(
     norms, which RoPE preserves), so the kept blocks and weights are the transformers
     integration's under the same scope=model selection, and so are greedy tokens and
     log-probs."""
-    from probkv.hf.cache import EvictingLayer
+    from probkv.hf.layers import EvictingLayer
     from probkv.vllm.request_eviction import RequestEviction
 
     llm, _ = engine

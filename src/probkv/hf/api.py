@@ -12,8 +12,10 @@ import copy
 import torch
 
 from probkv.hf import guards
-from probkv.hf.cache import EvictingLayer, ObserveOnly, ProbKVCache
+from probkv.hf.cache import ProbKVCache
+from probkv.hf.layers import EvictingLayer
 from probkv.hf.model import attention_implementation, is_prepared
+from probkv.hf.prefill import ObserveOnly
 from probkv.hf.reconstruct import RepeatPrompt, reconstruct
 from probkv.policies.base import EvictionPolicy
 

@@ -26,29 +26,15 @@ from probkv.hf import accounting, guards
 from probkv.hf.decode_budget import budget_from_options, check_no_budget
 from probkv.hf.eviction import evict_layers
 from probkv.hf.layers import (
-    BudgetedBatchLayer,
-    BudgetedLayer,
-    EvictedLayer,
     EvictingLayer,
     PromptLayer,
     PromptPhase,
 )
-from probkv.hf.prefill import ObserveOnly
 from probkv.hf.report import LayerReport
 from probkv.policies.base import EvictionPolicy
 from probkv.scores.scorer_lookup import with_scorer
 
-__all__ = [
-    "BudgetedBatchLayer",
-    "BudgetedLayer",
-    "EvictedLayer",
-    "EvictingLayer",
-    "LayerReport",
-    "ObserveOnly",
-    "ProbKVCache",
-    "PromptLayer",
-    "PromptPhase",
-]
+__all__ = ["ProbKVCache"]
 
 
 class ProbKVCache(Cache):
