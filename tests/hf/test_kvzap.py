@@ -17,7 +17,7 @@ from probkv.hf.decode_budget import DecodeBudget
 from probkv.hf.layers import EvictingLayer
 from probkv.models.testing import tiny_model
 from probkv.policies import parse_method
-from probkv.policies.topk import threshold_count
+from probkv.policies.threshold import threshold_count
 from probkv.scores import scorer_lookup as lookup
 from probkv.scores import surrogate as sg
 from probkv.scores.scorer_lookup import with_scorer

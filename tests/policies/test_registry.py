@@ -214,10 +214,8 @@ def does_nothing(name: str, options: list[str]) -> bool:
     pyramid = name in ("pyramidkv", "ada_pyramidkv") or keys.get("layer_budgets") == "pyramid"
     if ("alpha" in keys and not ada) or ("beta" in keys and not pyramid):
         return True
-    if "threshold" in keys and (
-        not on_attention_scale(parse_method(name).score) or keys.get("scope") == "model"
-    ):
-        return True  # S11: a threshold compares attention-scale log-scores, head scope
+    if "threshold" in keys and not on_attention_scale(parse_method(name).score):
+        return True  # S11: a threshold compares attention-scale log-scores
     return model_scope_refused(name, keys)
 
 

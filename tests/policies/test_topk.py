@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from probkv.budgets import pyramid_budgets
 from probkv.policies import LayerObservation, TopKPolicy, method_name, parse_method
 from probkv.policies.base import fit_forced
-from probkv.policies.topk import threshold_ratio
+from probkv.policies.threshold import threshold_ratio
 from probkv.scores import snapkv
 from probkv.scores.observation import observe_layer
 from probkv.scores.proposals import FLOOR
@@ -728,15 +728,3 @@ def test_a_threshold_adapts_the_ratio_per_prompt_and_ratio_is_the_least_compress
     at_r = TopKPolicy(score="kvzap", ratio=r)
     for a, b in zip(uniform.select(easy, num_layers=2), at_r.select(easy, num_layers=2)):
         assert kept_sets(a) == kept_sets(b)
-
-
-def test_threshold_refused_by_name_where_it_cannot_apply():
-    for method, word in (
-        ("topk:knorm/threshold=-1", "not logs of attention"),
-        ("topk:snapkv/scope=model/threshold=-1", "head scope only"),
-        ("topk:snapkv/threshold=nan", "finite log-score"),
-        ("topk:snapkv/threshold=inf", "finite log-score"),
-        ("prob:kvzap/threshold=-3", "a threshold is a top-k option"),
-    ):
-        with pytest.raises(ValueError, match=word):
-            parse_method(method)

@@ -84,18 +84,32 @@ def test_kvzap_gets_the_models_shipped_scorer(method):
 
 @pytest.mark.parametrize("ratio", [0.0, 0.5])
 @pytest.mark.parametrize(
-    "method", ["topk:kvzap/threshold=-5", "topk:kvzap/scope=model/threshold=-5"]
+    "method", ["topk:kvzap/threshold=-5", "prob:kvzap/threshold=-5", "topk:snapkv/threshold=-6"]
 )
-def test_a_threshold_is_refused_by_name_at_any_ratio(method, ratio):
-    # at ratio 0 (KVzap's mode) the threshold alone would decide: no silent full cache
-    with pytest.raises(ValueError, match=r"threshold.*scope=model"):
-        policy_for(method, ratio, 32, smollm2_config())
-    with pytest.raises(ValueError, match="threshold"):
-        check_engine(
-            config(
-                additional_config={"probkv": {"method": method, "ratio": ratio}},
-                model_config=SimpleNamespace(hf_config=smollm2_config()),
-            )
+def test_a_threshold_runs_model_wide_at_any_ratio(method, ratio):
+    """KVzap's threshold mode (S11) in vLLM: the model-wide policy with the threshold, a policy
+    at ratio 0 too (the threshold alone sets the ratio: never a silent full cache)."""
+    policy = policy_for(method, ratio, 32, smollm2_config())
+    assert policy is not None and policy.threshold == (-5.0 if "kvzap" in method else -6.0)
+    assert policy.scope == "model" and policy.block == 32 and policy.ratio == ratio
+    options = {"method": method, "ratio": ratio}
+    check_engine(
+        config(
+            additional_config={"probkv": {**options, "log_weights": True}},
+            model_config=SimpleNamespace(hf_config=smollm2_config()),
+        )
+    )
+
+
+def test_a_threshold_is_refused_where_it_cannot_apply():
+    full = EngineEviction("full", 0.0)
+    with pytest.raises(ValueError, match=r"kvzap/threshold=-5.*layer_budgets='global'"):
+        policy_for("kvzap/threshold=-5", 0.0, 32, smollm2_config())  # one top-k over heads
+    with pytest.raises(ValueError, match="not logs of attention"):
+        check_request(request_options("topk:knorm/threshold=-1", 0.0), full, 32)
+    with pytest.raises(ValueError, match=r"threshold=-6\.0: its kept count adapts"):
+        check_request(
+            request_options("topk:snapkv/threshold=-6", 0.5, max_entries=256, every=32), full, 32
         )
 
 

@@ -116,7 +116,15 @@ def test_greedy_decoding_equals_the_transformers_integration_under_the_same_sele
     assert 0 < cache.effective_ratio() < 1
 
 
-@pytest.mark.parametrize(("method", "ratio"), [("prob:kvzap", 0.5), ("topk:kvzap", 0.75)])
+@pytest.mark.parametrize(
+    ("method", "ratio"),
+    [
+        ("prob:kvzap", 0.5),
+        ("topk:kvzap", 0.75),
+        ("topk:kvzap/threshold=-5", 0.0),  # KVzap's mode (S11): the threshold sets the ratio
+        ("prob:kvzap/threshold=-5", 0.0),
+    ],
+)
 def test_kvzap_keeps_the_blocks_and_decodes_as_the_transformers_integration(
     engine, prompt, method, ratio, monkeypatch
 ):
@@ -172,6 +180,7 @@ def test_evicted_blocks_return_to_the_pool(engine, prompt):
     assert pool.get_num_free_blocks() == before  # nothing leaked, nothing freed twice
     rows = [json.loads(line) for line in report.read_text().splitlines()]
     last = rows[-1]
+    assert last["effective_ratio"] == pytest.approx(1 - last["kept_positions"] / len(prompt))
     kept_blocks = -(-last["kept_positions"] // BLOCK)  # SnapKV's window keeps the last block
     assert last["freed_blocks"] + kept_blocks == last["num_blocks"]
     assert last["freed_blocks"] >= 0.45 * last["num_blocks"] - 1  # r = 0.5, whole blocks

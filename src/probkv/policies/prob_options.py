@@ -60,6 +60,7 @@ DEFAULTS: dict[str, dict[str | tuple[str, str], object]] = {
         **dict.fromkeys(("kvzip", "kvzip-plus", "h2o-rec", "min-rec", "kvzap"), "global"),
     },
     "aggregate": {"*": "sum"},  # scope="model" only (S11): a block's score over heads
+    "threshold": {"*": None},  # S11: none, the ratio decides (probkv.policies.threshold)
     "seed": {"*": 0},
     "sampler": {"*": "pps"},
     "weights": {"*": "inclusion"},

@@ -41,6 +41,7 @@ from probkv.policies.base import (
     with_recent,
 )
 from probkv.policies.prob_options import DESIGNS, SCOPES, Design, Proposal, Stratum, Weighting
+from probkv.policies.threshold import check_threshold, threshold_ratio
 from probkv.sampling import model_blocks
 from probkv.scores import proposals
 
@@ -72,7 +73,9 @@ class ProbabilisticPolicy(EvictionPolicy):
     (every KV head keeps 1 - r of its entries in expectation) or ``"global"`` (one number of
     samples / one pps scale for all heads of all layers, S3, S9; with pps, scores on the
     attention scale weigh each head's proposal by its attention mass, the others every head the
-    same); ``seed`` (same seed, same kept set); and the parts ``design`` (``sampler``),
+    same); ``seed`` (same seed, same kept set); ``threshold`` (S11, KVzap's threshold mode:
+    the prompt's ratio is ``max(ratio, r(threshold))``, the share of entries scoring at or
+    below it, and the design draws at that ratio; ``probkv.policies.threshold``); and the parts ``design`` (``sampler``),
     ``weighting``, ``proposal_options`` (``probkv.policies.prob_options``: what each option
     means). ``ProbabilisticPolicy(score=..., ratio=..., **options)`` builds the parts from the
     options of a method name; options not given take ``prob_options.DEFAULTS`` for the score and
@@ -94,18 +97,13 @@ class ProbabilisticPolicy(EvictionPolicy):
     weighting: Weighting | None = None
     proposal_options: Proposal | None = None
     aggregate: str | None = None  # scope="model" only (S11): "sum" (default) or "max"
+    threshold: float | None = None  # S11: the ratio adapts per prompt (probkv.policies.threshold)
 
     # Option whose value decides other options' defaults: method names compare those options
     # with the defaults of a policy with the same sampler.
     DEFAULTS_DEPEND_ON = ("sampler", "scope")
     # Options of other policies that this one refuses, and why (the registry says it too).
-    WHY_NOT: ClassVar[Mapping[str, str]] = {
-        "threshold": (
-            "a threshold is a top-k option (kvzap/threshold=..., topk:SCORE/threshold=...): it "
-            "keeps every entry above it, while a prob: design draws a sample whose size the "
-            "ratio fixes and weighs it by 1 / P; pass a ratio instead"
-        )
-    }
+    WHY_NOT: ClassVar[Mapping[str, str]] = {}
 
     def __init__(
         self,
@@ -118,11 +116,13 @@ class ProbabilisticPolicy(EvictionPolicy):
         weighting: Weighting | None = None,
         proposal_options: Proposal | None = None,
         aggregate: str | None = None,
+        threshold: float | None = None,
         **options,
     ) -> None:
         put = _setter(self)
         put(score=score, ratio=ratio, score_params={} if score_params is None else score_params)
         validate_common(self)
+        put(threshold=check_threshold(threshold, score))
         for key in set(options) & set(self.WHY_NOT):
             raise ValueError(f"option {key!r} of a prob: method: {self.WHY_NOT[key]}")
         unknown = sorted(set(options) - set(self.option_names()))
@@ -202,12 +202,14 @@ class ProbabilisticPolicy(EvictionPolicy):
     def option_names(cls) -> tuple[str, ...]:
         designs = tuple(prob_options.design_options())
         parts = tuple(k for options in PART_OPTIONS for k in options)
-        return tuple(sorted(("scope", "seed", "sampler", "aggregate", *designs, *parts)))
+        names = ("scope", "seed", "sampler", "aggregate", "threshold", *designs, *parts)
+        return tuple(sorted(names))
 
     def option_values(self) -> dict[str, object]:
         return {
             "scope": self.scope,
             "aggregate": self.aggregate,
+            "threshold": self.threshold,
             "seed": self.seed,
             "sampler": self.design.NAME,
             **self.design.values(),
@@ -239,7 +241,8 @@ class ProbabilisticPolicy(EvictionPolicy):
 
     @property
     def calibrates(self) -> bool:
-        return not math.isinf(self.weighting.calibrate) and self.ratio > 0.0
+        evicts = self.ratio > 0.0 or self.threshold is not None
+        return not math.isinf(self.weighting.calibrate) and evicts
 
     def calibrated_selections(
         self, selections: Selections, observations: Observations, tensors: LayerTensors
@@ -273,6 +276,8 @@ class ProbabilisticPolicy(EvictionPolicy):
 
     @property
     def layerwise(self) -> bool:
+        if self.threshold is not None:  # every layer is counted first
+            return False
         return super().layerwise and (self.scope == "head" or self.ratio == 0.0)
 
     @property
@@ -294,6 +299,10 @@ class ProbabilisticPolicy(EvictionPolicy):
     def select(
         self, observations: Sequence[LayerObservation], *, num_layers: int
     ) -> list[RaggedSelection]:
+        if self.threshold is not None:  # the prompt's ratio, then the design at that ratio
+            ratio = max(self.ratio, threshold_ratio(observations, self.threshold))
+            policy = dataclasses.replace(self, ratio=ratio, threshold=None)
+            return policy.select(observations, num_layers=num_layers)
         if self.ratio == 0.0:
             return [keep_everything(obs) for obs in observations]
         # One generator for the whole eviction, seeded per (seed, first layer): per-layer

@@ -24,11 +24,11 @@ from probkv.policies.base import (
     check_fraction,
     fit_forced,
     keep_everything,
-    real_number,
     recent_count,
     validate_common,
     with_recent,
 )
+from probkv.policies.threshold import check_threshold, threshold_count, threshold_ratio
 from probkv.sampling import model_blocks
 from probkv.scores import proposals
 
@@ -75,10 +75,11 @@ class TopKPolicy(EvictionPolicy):
       the least compression (0: the threshold alone). With ``layer_budgets="global"`` and
       ``head_budgets="ada"``, ``alpha = 0`` (``kvzap``, ``kvzip``: one top-k over every head),
       keeps exactly the entries above the threshold (its count is the pooled budget); with
-      uniform budgets the threshold sets the ratio and each head
-      keeps its top share. Scores on the attention scale only (a threshold compares
-      log-scores across heads), head scope; not layerwise (every layer is counted first). The
-      effective ratio is in the cache's reports (S3).
+      uniform budgets the threshold sets the ratio and each head keeps its top share; with
+      ``scope="model"`` it sets the ratio and the top blocks are kept (what vLLM can free).
+      Scores on the attention scale only (a threshold compares log-scores across heads); not
+      layerwise (every layer is counted first; ``probkv.policies.threshold``). The effective
+      ratio is in the cache's reports (S3).
     """
 
     layer_budgets: str = "uniform"
@@ -148,28 +149,8 @@ class TopKPolicy(EvictionPolicy):
         object.__setattr__(self, "beta", float(beta))
 
     def _check_threshold(self) -> None:
-        """``threshold``: a finite number, on an attention-scale score, head scope."""
-        if self.threshold is None:
-            return
-        value = real_number(self.threshold)
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, (int, float))
-            or not math.isfinite(value)
-        ):
-            raise ValueError(f"threshold must be a finite log-score (e.g. -6.5), got {value!r}")
-        if not scores.on_attention_scale(self.score):
-            raise ValueError(
-                f"threshold with score {self.score!r}: its log-scores are not logs of attention "
-                "probabilities (S6), so one threshold means nothing across heads; use a score on "
-                "the attention scale (kvzap, kvzip, h2o, snapkv, tova, ...)"
-            )
-        if self.scope != "head":
-            raise ValueError(
-                f"threshold with scope={self.scope!r}: a threshold keeps entries by their own "
-                "scores (head scope only)"
-            )
-        object.__setattr__(self, "threshold", float(value))
+        """``threshold``: a finite number, on an attention-scale score (``probkv.policies.threshold``)."""
+        object.__setattr__(self, "threshold", check_threshold(self.threshold, self.score))
 
     @property
     def layerwise(self) -> bool:
@@ -298,27 +279,3 @@ class TopKPolicy(EvictionPolicy):
             return model_blocks.top_blocks(mass, forced, k), None
 
         return model_scope.select(observations, pis, self, choose=choose)
-
-
-def threshold_count(observations: Sequence[LayerObservation], threshold: float) -> tuple[int, int]:
-    """``(kept, entries)``: the entries whose log-score is above ``threshold`` or forced, and
-    all entries, over every KV head of every layer."""
-    kept = 0
-    entries = 0
-    for obs in observations:
-        above = obs.log_scores > threshold
-        if obs.forced is not None:
-            above |= obs.forced.to(above.device)
-        kept += int(above.sum())
-        entries += above.numel()
-    return kept, entries
-
-
-def threshold_ratio(observations: Sequence[LayerObservation], threshold: float) -> float:
-    """The compression ratio a threshold gives these layers (S1, S11): ``1 - kept / entries``
-    (``threshold_count``), at most ``1 - 1 / t`` (every head keeps at least one entry)."""
-    kept, entries = threshold_count(observations, threshold)
-    if entries == 0:
-        return 0.0
-    longest = max(obs.length for obs in observations)
-    return min(1.0 - kept / entries, 1.0 - 1.0 / longest)

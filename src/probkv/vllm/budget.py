@@ -96,6 +96,11 @@ def budget_refusal(method: str, policy: EvictionPolicy | None) -> str | None:
     """Why ``policy`` cannot run stages in vLLM (None: it can)."""
     if policy is None:
         return f"{method!r} keeps every position; choose a method that evicts (snapkv, tova, ...)"
+    if getattr(policy, "threshold", None) is not None:
+        return (
+            f"threshold={policy.threshold!r}: its kept count adapts to each prompt (S11), while "
+            "a decode budget keeps B positions; drop the threshold or the budget"
+        )
     if isinstance(policy, ProbabilisticPolicy):
         return (
             "prob: methods are not run under a decode budget in vLLM yet (their weights compose "

@@ -35,7 +35,7 @@ WORKER = "probkv.vllm.worker.ProbKVWorker"
 SCHEDULER = "probkv.vllm.scheduler.ProbKVScheduler"
 DEFAULT_WORKER = "vllm.v1.worker.cpu_worker.CPUWorker"  # what the CPU platform sets for "auto"
 SCOPE_NAME = "scope"
-THRESHOLD_NAME = "threshold"  # KVzap's threshold mode: head scope only, refused here
+THRESHOLD_NAME = "threshold"  # KVzap's threshold mode (S11): evicts at ratio 0 too
 KVZAP = "kvzap"  # the surrogate score (S11): its policy needs the model's scorer
 
 
@@ -257,13 +257,8 @@ def policy_for(
         raise ValueError(f"method must be a probkv method name, got {method!r}")
     base = parse_method(method.split("/")[0], ratio)
     options = dict(o.partition("=")[::2] for o in method.split("/")[1:])
-    if THRESHOLD_NAME in options:  # checked before ratio 0, KVzap's mode, returns no policy
-        raise ValueError(
-            f"method {method!r} cannot run in vLLM: a threshold (S11) keeps entries by their "
-            "own scores, per head (scope=head), and vLLM keeps one set of blocks for every "
-            "layer and head (scope=model); use a ratio (topk:kvzap/scope=model or prob:kvzap)"
-        )
-    if isinstance(base, FullCache) or ratio == 0:
+    # A threshold evicts at ratio 0 too (KVzap's mode: the threshold alone sets the ratio)
+    if isinstance(base, FullCache) or (ratio == 0 and THRESHOLD_NAME not in options):
         if isinstance(base, FullCache) or _unsupported(base):
             parse_method(method, ratio)  # full takes no options
         else:  # nothing evicted now (a decode budget's stages set their own ratio), but the

@@ -228,6 +228,8 @@ class WorkerEviction:
                     "num_blocks": kept.num_blocks,
                     "method": opts_name(request),
                     "ratio": request.policy.ratio,
+                    # what was evicted: above ratio where a threshold set it (S11)
+                    "effective_ratio": 1.0 - kept.positions.numel() / kept.prompt_length,
                 }
         if self.stages:
             budget.after_forward(self.stages, self.requests, self.pending, gather)
