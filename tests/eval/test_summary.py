@@ -80,6 +80,48 @@ def test_summary_by_hand():
     assert "| m1 | 0.5 | 0.500 ± 0.020 |" in md
 
 
+def test_a_thresholds_effective_ratio_is_given_per_task_and_length():
+    """S11: a threshold's ratio adapts to the prompt, so the summary gives its mean per task
+    and prompt length (rounded to a power of two), and a Markdown table of the methods whose
+    ratio strays from the target; a fixed ratio gets no row there."""
+    rows = []
+    for id_, task, tokens, eff in [
+        ("a1", "A", (2000, 40), 0.70),
+        ("a2", "A", (2010, 40), 0.72),
+        ("a3", "A", (4060, 40), 0.60),
+        ("b1", "B", (2000, 48), 0.85),
+    ]:
+        for method, ratio, e in [("thr", 0.0, eff), ("fixed", 0.5, 0.5), ("full", 0.0, 0.0)]:
+            rows.append(
+                {
+                    "id": id_,
+                    "task": task,
+                    "method": method,
+                    "ratio": ratio,
+                    "score": 1.0,
+                    "effective_ratio": e,
+                    "cache_bytes": 100,
+                    "prefill_s": 1.0,
+                    "decode_s": 1.0,
+                    "context_tokens": tokens[0],
+                    "question_tokens": tokens[1],
+                }
+            )
+    summary = summarize(rows, config={"methods": ["full", "thr", "fixed"], "ratios": [0.0, 0.5]})
+    entries = {e["method"]: e for e in summary["entries"]}
+    assert entries["thr"]["effective_ratio_by_split"] == pytest.approx(
+        {"A @ 2k": 0.71, "A @ 4k": 0.60, "B @ 2k": 0.85}
+    )
+    assert entries["fixed"]["effective_ratio_by_split"] == pytest.approx(
+        {"A @ 2k": 0.5, "A @ 4k": 0.5, "B @ 2k": 0.5}
+    )
+    md = summary_markdown(summary)
+    table = md.split("## Effective ratio per task and length")[1]
+    assert "| method | target r | A @ 2k | A @ 4k | B @ 2k |" in table
+    assert "| thr | 0 | 0.710 | 0.600 | 0.850 |" in table
+    assert "fixed" not in table and "full" not in table
+
+
 def test_summary_win_score_uses_common_examples():
     rows = [r for r in hand_rows() if not (r["method"] == "m2" and r["id"] == "b1")]
     summary = summarize(rows)

@@ -61,7 +61,8 @@ def summarize(
     - ``entries``: one per (method, ratio) with rows (``full`` at ratio 0): ``num_examples``,
       ``task_scores`` (mean score per task), ``average_total`` (S7: split means weighted by
       each split's share of the examples), ``effective_ratio_mean``/``_std`` (over examples,
-      n - 1 denominator), ``cache_bytes_mean``, ``prefill_s_mean``, ``decode_s_mean``, and,
+      n - 1 denominator), ``effective_ratio_by_split`` (its mean per task and prompt length,
+      ``"vt @ 4k"``: a threshold's ratio adapts to both, S11), ``cache_bytes_mean``, ``prefill_s_mean``, ``decode_s_mean``, and,
       for eviction methods of a run with ``full`` rows, ``kept_of_full``
       (``winscore.kept_of_full``: the share of the full cache's answers kept, and the examples
       scored below / above it);
@@ -146,6 +147,7 @@ def _entries(methods: Sequence[str], groups: Groups) -> list[dict[str, Any]]:
                     "average_total": average_total_score(split_scores),
                     "effective_ratio_mean": _mean([r["effective_ratio"] for r in group]),
                     "effective_ratio_std": _std([r["effective_ratio"] for r in group]),
+                    "effective_ratio_by_split": _ratio_by_split(group),
                     "cache_bytes_mean": _mean([r["cache_bytes"] for r in group]),
                     "prefill_s_mean": _mean([r["prefill_s"] for r in group]),
                     "decode_s_mean": _mean([r["decode_s"] for r in group]),
@@ -155,6 +157,27 @@ def _entries(methods: Sequence[str], groups: Groups) -> list[dict[str, Any]]:
                 scores = {r["id"]: r["score"] for r in group}
                 entries[-1]["kept_of_full"] = kept_of_full(scores, full_scores)
     return entries
+
+
+def length_label(row: Mapping[str, Any]) -> str | None:
+    """The prompt's length rounded to a power of two (``"2k"``, ``"512"``), from its context
+    and question tokens; None for a row without them (an older probkv's)."""
+    n = row.get("context_tokens", 0) + row.get("question_tokens", 0)
+    if not n:
+        return None
+    p = 2 ** round(math.log2(n))
+    return f"{p // 1024}k" if p >= 1024 else str(p)
+
+
+def _ratio_by_split(group: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """Mean effective ratio per task and prompt length (``"niah_single_1 @ 4k"``): where a
+    threshold sets the ratio (S11) it differs between tasks and lengths."""
+    splits: dict[str, list[float]] = {}
+    for r in group:
+        label = length_label(r)
+        key = r["task"] if label is None else f"{r['task']} @ {label}"
+        splits.setdefault(key, []).append(r["effective_ratio"])
+    return {k: _mean(v) for k, v in sorted(splits.items())}
 
 
 def _win_scores(methods: Sequence[str], groups: Groups) -> list[dict[str, Any]]:
@@ -278,6 +301,7 @@ def summary_markdown(summary: Mapping[str, Any]) -> str:
         lines += _kept_lines(summary)
     lines += _task_lines(summary)
     lines += _ratio_lines(summary)
+    lines += _split_ratio_lines(summary)
     return "\n".join(lines) + "\n"
 
 
@@ -390,6 +414,44 @@ def _task_lines(summary: Mapping[str, Any]) -> list[str]:
             )
         lines += _table(["method", *tasks, "average total"], body)
     return lines
+
+
+#: An entry whose effective ratio differs from its target by more than this on some split
+#: (a threshold's, S11, or a short prompt's) gets a row in "Effective ratio per task and length".
+ADAPTS = 0.02
+
+
+def _split_ratio_lines(summary: Mapping[str, Any]) -> list[str]:
+    adapting = [
+        e
+        for e in summary["entries"]
+        if e["method"] != FULL
+        and any(abs(v - e["ratio"]) > ADAPTS for v in e["effective_ratio_by_split"].values())
+    ]
+    if not adapting:
+        return []
+    splits = sorted({k for e in adapting for k in e["effective_ratio_by_split"]})
+    lines = ["", "## Effective ratio per task and length", ""]
+    lines += [
+        f"Methods whose effective ratio is more than {ADAPTS:g} from the target on some split "
+        "(a threshold sets it per prompt, S11): mean over examples; lengths rounded to a power "
+        "of two.",
+        "",
+    ]
+    body = [
+        [
+            _name(e["method"]),
+            f"{e['ratio']:g}",
+            *(
+                f"{e['effective_ratio_by_split'][k]:.3f}"
+                if k in e["effective_ratio_by_split"]
+                else ""
+                for k in splits
+            ),
+        ]
+        for e in adapting
+    ]
+    return lines + _table(["method", "target r", *splits], body)
 
 
 def _ratio_lines(summary: Mapping[str, Any]) -> list[str]:
