@@ -9,6 +9,7 @@ the estimator's standard error).
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -275,7 +276,7 @@ def test_scorer_file_round_trip_and_refusals(tmp_path):
     assert back.metrics == scorer.metrics and back.features == "kv"
     for i in scorer.layers:
         torch.testing.assert_close(back.layers[i].weight, scorer.layers[i].weight)
-    assert digest == sg.content_digest(sg._tensors(back))
+    assert digest == sg.content_digest(sg.scorer_tensors(back))
     blob = torch.load(path, weights_only=True)
     blob["tensors"]["layer0.bias"] = blob["tensors"]["layer0.bias"] + 1
     torch.save(blob, tmp_path / "damaged.pt")
@@ -293,7 +294,7 @@ def test_scorer_file_round_trip_and_refusals(tmp_path):
         _scorer(features="queries")
 
 
-def _mlp_scorer(hkv=2, d=4, layers=(0, 3), hidden=5, threshold=None) -> sg.SurrogateScorer:
+def _mlp_scorer(hkv=2, d=4, layers=(0, 3), hidden=5, thresholds=None) -> sg.SurrogateScorer:
     base = _scorer(hkv=hkv, d=d, layers=layers)
     g = torch.Generator().manual_seed(11)
     fits = {
@@ -308,7 +309,7 @@ def _mlp_scorer(hkv=2, d=4, layers=(0, 3), hidden=5, threshold=None) -> sg.Surro
         )
         for i, fit in base.layers.items()
     }
-    return sg.SurrogateScorer("kv", fits, base.model, base.recipe, base.metrics, threshold)
+    return sg.SurrogateScorer("kv", fits, base.model, base.recipe, base.metrics, thresholds or {})
 
 
 def _reference_mlp(fit: sg.MLPSurrogate, x: torch.Tensor) -> torch.Tensor:
@@ -395,25 +396,39 @@ def test_fit_mlp_learns_what_the_ridge_fit_cannot_and_is_deterministic():
         sg.fit_mlp(x, y, vx, vy, base, lr=-1)
 
 
-def test_mlp_scorer_file_round_trip_with_its_threshold(tmp_path):
-    scorer = _mlp_scorer(threshold=-5.25)
+def test_mlp_scorer_file_round_trip_with_its_thresholds(tmp_path):
+    scorer = _mlp_scorer(thresholds={"kvzap": -5.25, "prob:kvzap": -4.5})
     path = tmp_path / "mlp.pt"
     sg.save_scorer(scorer, path)
     back = sg.load_scorer(path)
-    assert back.form == "mlp" and back.threshold == -5.25
+    assert back.form == "mlp" and back.thresholds == {"kvzap": -5.25, "prob:kvzap": -4.5}
     for i, fit in scorer.layers.items():
         for name in sg.FORM_TENSORS["mlp"]:
             assert torch.equal(getattr(back.layers[i], name), getattr(fit, name))
     linear = tmp_path / "linear.pt"
     sg.save_scorer(_scorer(), linear)
-    assert sg.load_scorer(linear).form == "linear" and sg.load_scorer(linear).threshold is None
+    assert sg.load_scorer(linear).form == "linear" and sg.load_scorer(linear).thresholds == {}
     blob = torch.load(path, weights_only=True)
     blob["header"] = blob["header"].replace('"form": "mlp"', '"form": "tree"')
     torch.save(blob, tmp_path / "tree.pt")
     with pytest.raises(ValueError, match="form 'tree'; this probkv reads linear, mlp"):
         sg.load_scorer(tmp_path / "tree.pt")
-    with pytest.raises(ValueError, match="threshold must be a finite log-score or None, got nan"):
-        _mlp_scorer(threshold=float("nan"))
+    with pytest.raises(
+        ValueError, match=r"the kvzap threshold must be a log-score in \(-.*, 0\), got nan"
+    ):
+        _mlp_scorer(thresholds={"kvzap": float("nan")})
+    with pytest.raises(
+        ValueError, match="a threshold's method must be one of 'kvzap', 'prob:kvzap'; got 'snapkv'"
+    ):
+        _mlp_scorer(thresholds={"snapkv": -5.0})
+    # a file written with one threshold (before one per method) reads it as the top-k's
+    old = torch.load(path, weights_only=True)
+    header = json.loads(old["header"])
+    del header["thresholds"]
+    header["threshold"] = -5.0
+    old["header"] = json.dumps(header, sort_keys=True)
+    torch.save(old, tmp_path / "old.pt")
+    assert sg.load_scorer(tmp_path / "old.pt").thresholds == {"kvzap": -5.0}
     mixed = {0: _scorer().layers[0], 3: _mlp_scorer().layers[3]}
     with pytest.raises(ValueError, match="must all be LinearSurrogate or all MLPSurrogate"):
         sg.SurrogateScorer("kv", mixed, scorer.model, scorer.recipe)

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from probkv._checks import check_choice, check_positive_int
 from probkv.eval.examples import Example
 from probkv.eval.haystack.stream import word_stream
 from probkv.eval.prompt import prompt_token_ids
@@ -281,12 +282,12 @@ def train_scorer(
     fitted on; ``length`` tokens each; ``features``: the kind the scorer uses (every kind is
     measured, ``metrics["by_features"]``); ``form``: ``"linear"`` or ``"mlp"`` (then
     ``hidden`` units, ``mlp_rows`` positions per context, ``epochs`` passes)."""
-    sg.check_choice(features, sg.ATTENTION_FEATURE_KINDS, "features")
-    sg.check_choice(teacher, TEACHERS, "teacher")
-    sg.check_choice(form, sg.FORMS, "form")
-    sg.check_positive_int(length, "length")
+    check_choice(features, sg.ATTENTION_FEATURE_KINDS, "features")
+    check_choice(teacher, TEACHERS, "teacher")
+    check_choice(form, sg.FORMS, "form")
+    check_positive_int(length, "length")
     for value, label in ((hidden, "hidden"), (mlp_rows, "mlp_rows"), (epochs, "epochs")):
-        sg.check_positive_int(value, label)
+        check_positive_int(value, label)
     if not 2 <= heldout < contexts:
         raise ValueError(f"heldout must be in [2, contexts={contexts}), got {heldout}")
     start = time.perf_counter()
