@@ -13,6 +13,7 @@ from probkv.budgets import uniform_budget
 from probkv.policies import LayerObservation, ProbabilisticPolicy, TopKPolicy, parse_method
 from probkv.policies.base import select_layers
 from probkv.policies.registry import method_name
+from probkv.scores.functions import streaming_llm
 
 torch.set_num_threads(1)
 
@@ -73,19 +74,45 @@ def slow_block_scores(obs_list, block, aggregate, t=T):
     return [agg(m[b] for m in per_head) for b in range(k)], forced
 
 
+def slow_protected(t, block, k, sink_blocks, recent_tokens):
+    """Loops: the first blocks, then blocks holding one of the last ``recent_tokens``
+    positions from the end, ``k`` at most."""
+    n = math.ceil(t / block)
+    chosen = list(range(min(sink_blocks, k, n)))
+    for b in reversed(range(n)):
+        holds_recent = any(
+            i >= t - recent_tokens for i in range(b * block, min(t, (b + 1) * block))
+        )
+        if holds_recent and b not in chosen and len(chosen) < k:
+            chosen.append(b)
+    return chosen
+
+
 @pytest.mark.parametrize("aggregate", ["sum", "max"])
 @pytest.mark.parametrize("block", [1, 16, 32, 128])
 @pytest.mark.parametrize("ratio", [0.5, 0.75, 0.9])
-def test_topk_model_scope_matches_slow_reference(aggregate, block, ratio):
+@pytest.mark.parametrize(("sink_blocks", "recent_tokens"), [(0, 0), (1, 0), (2, 20), (0, 37)])
+def test_topk_model_scope_matches_slow_reference(
+    aggregate, block, ratio, sink_blocks, recent_tokens
+):
     obs = observations(seed=block)
     policy = TopKPolicy(
-        score="snapkv", ratio=ratio, scope="model", block=block, aggregate=aggregate
+        score="snapkv",
+        ratio=ratio,
+        scope="model",
+        block=block,
+        aggregate=aggregate,
+        sink_blocks=sink_blocks,
+        recent_tokens=recent_tokens,
     )
     masks = kept_masks(select_layers(policy, obs, num_layers=LAYERS))
     scores, forced = slow_block_scores(obs, block, aggregate)
     k = min(len(scores), max(1, math.floor(uniform_budget(T, ratio) / block + 0.5)))
     chosen = [b for b in range(len(scores)) if forced[b]]
-    rest = sorted((b for b in range(len(scores)) if not forced[b]), key=lambda b: (-scores[b], -b))
+    chosen += [b for b in slow_protected(T, block, k, sink_blocks, recent_tokens) if not forced[b]]
+    rest = sorted(
+        (b for b in range(len(scores)) if b not in chosen), key=lambda b: (-scores[b], -b)
+    )
     chosen += rest[: max(0, k - len(chosen))]
     want = torch.zeros(T, dtype=torch.bool)
     for b in chosen:
@@ -120,7 +147,8 @@ def test_one_kept_set_of_whole_blocks_meeting_the_budget(name, ratio, t):
     blocks = [first[i : i + b] for i in range(0, t, b)]
     assert all(bool(x.all()) or not bool(x.any()) for x in blocks)  # whole blocks
     k = min(len(blocks), max(1, math.floor(uniform_budget(t, ratio) / b + 0.5)))
-    forced_blocks = math.ceil(WINDOW / b) if (t - WINDOW) // b == (t - 1) // b else 2
+    window_blocks = set(range((t - WINDOW) // b, len(blocks))) | {len(blocks) - 1}
+    forced_blocks = len(window_blocks | {0})  # the sinks' block, kept by default
     assert sum(bool(x.any()) for x in blocks) == max(k, min(forced_blocks, len(blocks)))
     # the kept positions are within half a block of the budget, or short by the last block
     kept = int(first.sum())
@@ -135,7 +163,8 @@ def test_one_kept_set_of_whole_blocks_meeting_the_budget(name, ratio, t):
 
 def test_prob_model_scope_per_head_totals_unbiased():
     """Each head's Horvitz-Thompson total sum_kept w_i x_i (w = exp(log w)) is unbiased for
-    sum_i x_i (S9, S11): the Monte Carlo mean over seeds within 4.5 standard errors."""
+    sum_i x_i (S9, S11), protected blocks (the sinks', the recent ones) taken with P = 1: the
+    Monte Carlo mean over seeds within 4.5 standard errors."""
     obs = observations(seed=5)
     gen = torch.Generator().manual_seed(11)
     x = torch.rand(LAYERS, HEADS, T, generator=gen, dtype=torch.float64)
@@ -143,7 +172,9 @@ def test_prob_model_scope_per_head_totals_unbiased():
     draws = 1500
     totals = torch.zeros(draws, LAYERS, HEADS, dtype=torch.float64)
     for s in range(draws):
-        policy = ProbabilisticPolicy(score="snapkv", ratio=0.75, scope="model", block=8, seed=s)
+        policy = ProbabilisticPolicy(
+            score="snapkv", ratio=0.5, scope="model", block=8, recent_tokens=20, seed=s
+        )
         for layer, sel in enumerate(select_layers(policy, obs, num_layers=LAYERS)):
             w = sel.log_weights.double().exp()
             first = 0
@@ -181,6 +212,8 @@ def test_uncorrected_and_tempered_weights():
         "prob:kvzip/scope=model",
         "prob:kvzip/block=32/scope=model",
         "prob:snapkv/aggregate=max/scope=model",
+        "snapkv/recent_tokens=64/scope=model/sink_blocks=0",
+        "prob:snapkv/recent_tokens=128/scope=model/sink_blocks=2",
     ],
 )
 def test_names_round_trip(name):
@@ -189,7 +222,50 @@ def test_names_round_trip(name):
     assert parse_method(method_name(policy)) == policy
 
 
+@pytest.mark.parametrize("prefix", ["", "prob:"])
+def test_streaming_llm_over_blocks_keeps_the_sinks_block(prefix):
+    """StreamingLLM's sinks (4 positions) hold less proposal mass than a recent block: over
+    blocks, at r = 0.9, only the rule keeps their block; without it (sink_blocks=0) it goes."""
+    t, ratio = 2048, 0.9
+    obs = [
+        LayerObservation(
+            layer_idx=layer,
+            rank=layer,
+            log_scores=streaming_llm(t, HEADS).log_scores,
+            forced=None,
+            last_query_attention=None,
+        )
+        for layer in range(LAYERS)
+    ]
+    kept = kept_masks(
+        select_layers(
+            parse_method(f"{prefix}streaming_llm/scope=model", ratio=ratio), obs, num_layers=LAYERS
+        ),
+        t,
+    )
+    assert all(bool(mask[:, :16].all()) for mask in kept)
+    name = f"{prefix}streaming_llm/scope=model/sink_blocks=0"
+    dropped = kept_masks(select_layers(parse_method(name, ratio=ratio), obs, num_layers=LAYERS), t)
+    assert not any(bool(mask[:, :16].any()) for mask in dropped)
+
+
+@pytest.mark.parametrize("name", ["snapkv/scope=model", "prob:snapkv/scope=model"])
+def test_recent_tokens_keep_the_last_blocks_within_the_budget(name):
+    obs = observations(seed=3, t=256, window=0)
+    base = parse_method(name, ratio=0.75)
+    policy = parse_method(f"{name}/recent_tokens=40", ratio=0.75)
+    (mask, *_), (plain, *_) = (
+        kept_masks(select_layers(p, obs, num_layers=LAYERS), 256) for p in (policy, base)
+    )
+    assert bool(mask[:, 256 - 48 :].all()) and bool(mask[:, :16].all())  # 3 recent blocks, sinks
+    assert int(mask[0].sum()) == int(plain[0].sum()) == 64  # counted in the same budget
+
+
 def test_defaults():
+    assert parse_method("snapkv/scope=model").sink_blocks == 1
+    assert parse_method("prob:snapkv/scope=model").recent_tokens == 0
+    assert parse_method("snapkv").sink_blocks is None
+    assert parse_method("prob:snapkv").recent_tokens is None
     assert parse_method("snapkv/scope=model").block == 16
     assert parse_method("prob:snapkv/scope=model").block == 16
     assert parse_method("prob:kvzip/scope=model").units == "blocks"
@@ -209,6 +285,10 @@ def test_defaults():
         ("prob:snapkv/aggregate=max", "aggregate='max' is an option of the model-wide scope"),
         ("prob:kvzip/aggregate=sum", "aggregate='sum' is an option of the model-wide scope"),
         ("snapkv/scope=model/aggregate=mean", "aggregate must be one of 'sum', 'max'"),
+        ("snapkv/scope=model/sink_blocks=-1", "sink_blocks must be >= 0"),
+        ("prob:snapkv/scope=model/recent_tokens=1.5", "recent_tokens must be an integer"),
+        ("snapkv/sink_blocks=1", "sink_blocks=1 is an option of the model-wide scope"),
+        ("prob:snapkv/recent_tokens=64", "recent_tokens=64 is an option of the model-wide scope"),
         ("snapkv/scope=global", "scope must be one of 'head', 'model'"),
         ("kvzip/scope=model", "layer_budgets='global' with scope='model'"),
         ("pyramidkv/scope=model", "layer_budgets='pyramid' with scope='model'"),

@@ -169,6 +169,8 @@ VALUES = {
     "tau": ["0.5", "1", "2", "10", "inf"],
     "scope": ["head", "global", "model"],
     "aggregate": ["sum", "max"],
+    "sink_blocks": ["0", "1", "2"],
+    "recent_tokens": ["0", "64"],
     "sampler": ["with_replacement", "pps"],
     "weights": ["counts", "inclusion"],
     "correct": ["true", "false"],
@@ -220,14 +222,14 @@ def does_nothing(name: str, options: list[str]) -> bool:
 
 
 def model_scope_refused(name: str, keys: dict[str, str]) -> bool:
-    """scope=model (S11): block and aggregate only there (top-k: block is a pps option of
-    prob:), uniform layer and head budgets only, the pps sampler over blocks only; top-k has
+    """scope=model (S11): block, aggregate, sink_blocks and recent_tokens only there (top-k:
+    block is a pps option of prob:), uniform layer and head budgets only, the pps sampler over blocks only; top-k has
     no scope 'global' (its global budget is layer_budgets=global)."""
     prob = name.startswith("prob:")
     model = keys.get("scope") == "model"
     if not prob and keys.get("scope") == "global":
         return True
-    if "aggregate" in keys and not model:
+    if any(k in keys for k in ("aggregate", "sink_blocks", "recent_tokens")) and not model:
         return True
     if not model:
         return not prob and "block" in keys

@@ -176,3 +176,32 @@ def test_bad_block_sizes_refused(bad):
 def test_bad_aggregate_refused():
     with pytest.raises(ValueError, match="aggregate must be one of 'sum', 'max'"):
         model_blocks.block_masses(random_pis(1, 1, 8, 0), 4, "mean")
+
+
+def slow_protected(t, block, k, sink_blocks, recent_tokens):
+    """Loops: the first blocks, then the blocks holding one of the last ``recent_tokens``
+    positions, from the end, ``k`` blocks at most."""
+    n = math.ceil(t / block)
+    chosen = list(range(min(sink_blocks, k, n)))
+    for b in reversed(range(n)):
+        positions = range(b * block, min(t, (b + 1) * block))
+        if any(i >= t - recent_tokens for i in positions) and b not in chosen and len(chosen) < k:
+            chosen.append(b)
+    return sorted(chosen)
+
+
+@pytest.mark.parametrize("t", [1, 15, 16, 17, 100, 257])
+@pytest.mark.parametrize("block", [1, 16, 32])
+@pytest.mark.parametrize("sink_blocks", [0, 1, 3])
+@pytest.mark.parametrize("recent_tokens", [0, 1, 16, 40, 1000])
+def test_protected_blocks_match_loops(t, block, sink_blocks, recent_tokens):
+    n = model_blocks.num_blocks(t, block)
+    for k in sorted({1, 2, n // 2 or 1, n}):
+        got = model_blocks.protected_blocks(
+            t, block, k, sink_blocks=sink_blocks, recent_tokens=recent_tokens
+        )
+        assert got.shape == (n,)
+        assert torch.nonzero(got).flatten().tolist() == slow_protected(
+            t, block, k, sink_blocks, recent_tokens
+        )
+        assert int(got.sum()) <= k  # counted in the budget

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from probkv import budgets
+from probkv._checks import check_positive_int
 from probkv.estimation.selection import RaggedSelection
 from probkv.sampling import model_blocks
 from probkv.scores.observation import LayerObservation
@@ -19,23 +20,42 @@ from probkv.scores.observation import LayerObservation
 SCOPE = "model"
 DEFAULT_BLOCK = 16  # vLLM's default KV block size
 DEFAULT_AGGREGATE = "sum"
+DEFAULTS: dict[str, object] = {
+    "block": DEFAULT_BLOCK,
+    "aggregate": DEFAULT_AGGREGATE,
+    "sink_blocks": 1,  # the sinks' block: streaming_llm and every score keep it
+    "recent_tokens": 0,
+}
 
 
-def check_options(scope: str, block, aggregate, *, where: str) -> tuple[int | None, str | None]:
-    """``block`` and ``aggregate`` (defaults filled) with ``scope="model"``; refused by name
-    with any other scope, where they could change nothing."""
+OPTIONS = ("block", "aggregate", "sink_blocks", "recent_tokens")
+"""The options of the model-wide scope, ``None`` (not set) with any other scope."""
+
+
+def check_options(scope: str, *, where: str, **given) -> dict[str, object]:
+    """The model scope's ``OPTIONS`` from ``given`` (``None``: the default) with
+    ``scope="model"``; refused by name with any other scope, where they could change nothing.
+    ``sink_blocks``: the first blocks kept by rule (attention sinks); ``recent_tokens``: the
+    last positions whose blocks are kept by rule; both count in the budget."""
+    unknown = sorted(set(given) - set(OPTIONS))
+    if unknown:
+        raise TypeError(f"unknown model-scope option {unknown[0]!r}; valid: {', '.join(OPTIONS)}")
+    values = {key: given.get(key) for key in OPTIONS}
     if scope != SCOPE:
-        for key, value in (("block", block), ("aggregate", aggregate)):
+        for key, value in values.items():
             if value is not None:
                 raise ValueError(
                     f"{key}={value!r} is an option of the model-wide scope (scope='model', "
                     f"one kept set of blocks for all layers and heads) of {where}, got "
                     f"scope={scope!r}; omit {key}"
                 )
-        return None, None
-    block = model_blocks.span_designs.check_block(DEFAULT_BLOCK if block is None else block)
-    aggregate = model_blocks.check_aggregate(DEFAULT_AGGREGATE if aggregate is None else aggregate)
-    return block, aggregate
+        return values
+    filled = {key: DEFAULTS[key] if value is None else value for key, value in values.items()}
+    model_blocks.span_designs.check_block(filled["block"])
+    model_blocks.check_aggregate(filled["aggregate"])
+    check_positive_int(filled["sink_blocks"], "sink_blocks", allow_zero=True)
+    check_positive_int(filled["recent_tokens"], "recent_tokens", allow_zero=True)
+    return filled
 
 
 def common_length(observations: Sequence[LayerObservation]) -> int:
@@ -56,8 +76,8 @@ def select(
     choose: Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor | None]],
     tau: float = 1.0,
 ) -> list[RaggedSelection]:
-    """The same blocks for every observation, by ``policy``'s ``ratio``, ``block`` and
-    ``aggregate``. ``pis``: each layer's ``[H, t]`` proposal (zero at forced entries,
+    """The same blocks for every observation, by ``policy``'s ``ratio`` and model-scope
+    ``OPTIONS``; the protected blocks (``model_blocks.protected_blocks``) join the forced ones. ``pis``: each layer's ``[H, t]`` proposal (zero at forced entries,
     ``obs.forced``); the last block, when partial, is forced too: a paged cache writes the next
     tokens into it, so an engine that lists only the kept blocks (S12) must keep it; ``choose(mass, forced, k)`` gives the kept blocks (bool ``[K]``) and their
     inclusion probabilities (``None``: no weights); the log-weights are ``-log P_b / tau``."""
@@ -68,6 +88,9 @@ def select(
     if t % block:  # the last, partial block takes the next tokens in a paged cache (S12)
         forced[-1] = True
     k = model_blocks.block_budget(budgets.uniform_budget(t, policy.ratio), t, block)
+    forced |= model_blocks.protected_blocks(
+        t, block, k, sink_blocks=policy.sink_blocks, recent_tokens=policy.recent_tokens
+    )
     kept_blocks, inclusion = choose(mass, forced, k)
     kept = model_blocks.expand(kept_blocks, t, block)
     logw = None

@@ -60,6 +60,8 @@ DEFAULTS: dict[str, dict[str | tuple[str, str], object]] = {
         **dict.fromkeys(("kvzip", "kvzip-plus", "h2o-rec", "min-rec", "kvzap"), "global"),
     },
     "aggregate": {"*": "sum"},  # scope="model" only (S11): a block's score over heads
+    "sink_blocks": {"*": 1},  # scope="model" only: the sinks' block kept by rule
+    "recent_tokens": {"*": 0},  # scope="model" only: the last positions' blocks kept by rule
     "threshold": {"*": None},  # S11: none, the ratio decides (probkv.policies.threshold)
     "seed": {"*": 0},
     "sampler": {"*": "pps"},

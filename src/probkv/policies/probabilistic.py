@@ -51,6 +51,7 @@ SEED_STRIDE = 100_003
 SEEDS = (0, (2**64 - 2**16) // SEED_STRIDE)
 PART_OPTIONS = (Weighting.OPTIONS, Proposal.OPTIONS)
 SAMPLERS = tuple(DESIGNS)  # the values of the option sampler
+_PROTECTED = ("sink_blocks", "recent_tokens")  # scope="model": blocks kept by rule
 
 
 def _check_seed(seed) -> int:
@@ -86,6 +87,9 @@ class ProbabilisticPolicy(EvictionPolicy):
     weight 1 and count against the budget; if they exceed a head's budget (a short prompt at
     high compression), only the most recent ``budget`` of them stay forced (``fit_forced``).
     The paper's estimator is ``prob:<score>/sampler=with_replacement/weights=counts``.
+    With ``scope="model"``, ``aggregate``, ``sink_blocks`` and ``recent_tokens`` are
+    ``probkv.policies.model_scope``'s options (protected blocks: kept with ``P = 1``, counted in
+    the budget); ``None`` with any other scope.
     """
 
     score: str = "snapkv"
@@ -97,6 +101,8 @@ class ProbabilisticPolicy(EvictionPolicy):
     weighting: Weighting | None = None
     proposal_options: Proposal | None = None
     aggregate: str | None = None  # scope="model" only (S11): "sum" (default) or "max"
+    sink_blocks: int | None = None  # scope="model" only: first blocks kept by rule
+    recent_tokens: int | None = None  # scope="model" only: last positions kept by rule
     threshold: float | None = None  # S11: the ratio adapts per prompt (probkv.policies.threshold)
 
     # Option whose value decides other options' defaults: method names compare those options
@@ -117,6 +123,8 @@ class ProbabilisticPolicy(EvictionPolicy):
         proposal_options: Proposal | None = None,
         aggregate: str | None = None,
         threshold: float | None = None,
+        sink_blocks: int | None = None,
+        recent_tokens: int | None = None,
         **options,
     ) -> None:
         put = _setter(self)
@@ -141,11 +149,22 @@ class ProbabilisticPolicy(EvictionPolicy):
         design = self._design(design, options)
         weighting = self._part(Weighting, weighting, options, design.NAME)
         shape = self._part(Proposal, proposal_options, options, design.NAME)
-        if scope == model_scope.SCOPE and aggregate is None:
-            aggregate = prob_options.default("aggregate", score, design.NAME)
-        _, aggregate = model_scope.check_options(scope, None, aggregate, where="prob:")
+        if scope == model_scope.SCOPE:  # model-scope options: prob: keeps its own defaults
+            given = {"aggregate": aggregate, "sink_blocks": sink_blocks}
+            given["recent_tokens"] = recent_tokens
+            aggregate, sink_blocks, recent_tokens = (
+                prob_options.default(k, score, design.NAME) if v is None else v
+                for k, v in given.items()
+            )
+        model = model_scope.check_options(
+            scope,
+            where="prob:",
+            aggregate=aggregate,
+            sink_blocks=sink_blocks,
+            recent_tokens=recent_tokens,
+        )
         put(scope=scope, seed=_check_seed(seed), design=design, weighting=weighting)
-        put(proposal_options=shape, aggregate=aggregate)
+        put(proposal_options=shape, **{k: model[k] for k in ("aggregate", *_PROTECTED)})
         self._check_model_scope()
         self._check_calibrate()
 
@@ -202,13 +221,15 @@ class ProbabilisticPolicy(EvictionPolicy):
     def option_names(cls) -> tuple[str, ...]:
         designs = tuple(prob_options.design_options())
         parts = tuple(k for options in PART_OPTIONS for k in options)
-        names = ("scope", "seed", "sampler", "aggregate", "threshold", *designs, *parts)
+        names = ("scope", "seed", "sampler", "aggregate", "threshold", *_PROTECTED)
+        names = (*names, *designs, *parts)
         return tuple(sorted(names))
 
     def option_values(self) -> dict[str, object]:
         return {
             "scope": self.scope,
             "aggregate": self.aggregate,
+            **{key: getattr(self, key) for key in _PROTECTED},
             "threshold": self.threshold,
             "seed": self.seed,
             "sampler": self.design.NAME,

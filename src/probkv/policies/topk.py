@@ -66,7 +66,10 @@ class TopKPolicy(EvictionPolicy):
       16) for every layer and head, the top ``k`` blocks by ``aggregate`` (``"sum"``, default,
       or ``"max"``) of each head's softmax mass of its (pooled) log-scores in the block
       (``probkv.sampling.model_blocks``); uniform layer and head budgets only. Not layerwise.
-      ``block`` and ``aggregate`` are ``None`` with ``scope="head"``.
+      The first ``sink_blocks`` blocks and the blocks of the last ``recent_tokens`` positions
+      are kept by rule, counted in the budget (``model_blocks.protected_blocks``; defaults
+      ``model_scope.DEFAULTS``). ``block``, ``aggregate``, ``sink_blocks`` and
+      ``recent_tokens`` are ``None`` with ``scope="head"``.
     - ``threshold`` (S11, KVzap's threshold mode): keep what scores above ``threshold`` instead
       of a fixed share, so the compression adapts per prompt. The observed layers' entries
       scoring above it (and the forced ones) give the prompt's ratio
@@ -91,6 +94,8 @@ class TopKPolicy(EvictionPolicy):
     scope: str = "head"
     block: int | None = None  # None: model_scope.DEFAULT_BLOCK with scope="model"
     aggregate: str | None = None  # None: model_scope.DEFAULT_AGGREGATE with scope="model"
+    sink_blocks: int | None = None  # None: model_scope.DEFAULTS with scope="model"
+    recent_tokens: int | None = None  # None: model_scope.DEFAULTS with scope="model"
     threshold: float | None = None  # keep log-scores above it: the ratio adapts per prompt
 
     def __post_init__(self) -> None:
@@ -99,11 +104,9 @@ class TopKPolicy(EvictionPolicy):
         check_choice(self.layer_budgets, LAYER_BUDGETS, "layer_budgets")
         check_choice(self.head_budgets, HEAD_BUDGETS, "head_budgets")
         check_choice(self.scope, SCOPES, "scope")
-        block, aggregate = model_scope.check_options(
-            self.scope, self.block, self.aggregate, where="top-k"
-        )
-        object.__setattr__(self, "block", block)
-        object.__setattr__(self, "aggregate", aggregate)
+        given = {key: getattr(self, key) for key in model_scope.OPTIONS}
+        for key, value in model_scope.check_options(self.scope, where="top-k", **given).items():
+            object.__setattr__(self, key, value)
         if self.scope == model_scope.SCOPE:
             for key in ("layer_budgets", "head_budgets"):
                 if getattr(self, key) != "uniform":

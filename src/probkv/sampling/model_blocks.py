@@ -10,6 +10,11 @@ with ``P_b = 1``. The budget is ``k = floor(B / b + 1/2)`` blocks (``B`` the per
 in positions, ``probkv.budgets.uniform_budget``), clamped to ``[1, number of blocks]`` and
 raised to the number of forced blocks if they are more.
 
+Protected blocks are kept by rule whatever their score, and count in the budget
+(``protected_blocks``): the first ``sink_blocks`` blocks (attention sinks) and the blocks
+holding the last ``recent_tokens`` positions, at most ``k`` of them (sinks first, then the
+recent blocks nearest the end).
+
 ``top_blocks`` keeps the ``k`` forced-or-highest blocks (zero variance); ``pps_blocks`` keeps the
 forced blocks, the ``floor(core (k - F))`` highest others with ``P = 1`` and draws the rest by
 fixed-size pps over blocks (``P_b = min(1, lam M_b)``, ``sum P_b`` = the blocks left to draw;
@@ -73,6 +78,23 @@ def forced_blocks(forced: Sequence[torch.Tensor | None], t: int, block: int) -> 
     for f in forced:
         if f is not None:
             out |= _per_block(f.cpu().to(torch.int64), block).sum(-1).sum(0) > 0
+    return out
+
+
+def protected_blocks(
+    t: int, block: int, k: int, *, sink_blocks: int, recent_tokens: int
+) -> torch.Tensor:
+    """bool ``[K]``: the first ``min(sink_blocks, k)`` blocks and, within the ``k`` kept, the
+    blocks holding the last ``recent_tokens`` positions, those nearest the end first."""
+    n = num_blocks(t, block)
+    out = torch.zeros(n, dtype=torch.bool)
+    sinks = min(sink_blocks, k, n)
+    out[:sinks] = True
+    first_recent = (t - min(recent_tokens, t)) // block if recent_tokens > 0 else n
+    recent = torch.nonzero(~out & (torch.arange(n) >= first_recent)).flatten()
+    room = k - sinks
+    if room > 0:
+        out[recent[-room:]] = True
     return out
 
 
