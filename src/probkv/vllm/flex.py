@@ -220,3 +220,43 @@ def packed_score_mod(tables: KeptTables, request_of_token: torch.Tensor):
         return score + _bias(table, lengths, block, request, kv_idx)
 
     return packed_log_weight_score_mod
+
+
+class SlotLogWeights:
+    """The log-weights of ``prob:`` requests beside FlexAttention's paged cache: ``log w`` per
+    physical cache slot (0 unless a selection wrote it; a slot written again by the step's
+    keys is reset to 0) and, per packed query row of the step, whether it reads them (1, or 0
+    for prompt rows computed again after a preemption). The same state as the CPU backend's
+    spare key columns (``probkv.vllm.weights``), outside the cache. ``score_mod`` is one
+    function for the engine's life over these fixed-size tensors, updated in place each step
+    (``update``), so a compiled ``flex_attention`` is not recompiled per step."""
+
+    def __init__(self, slots: int, rows: int, block: int, device=None) -> None:
+        if slots < 1 or rows < 1 or block < 1:
+            raise ValueError(f"slots, rows and block must be >= 1, got {slots}, {rows}, {block}")
+        self.block = block
+        self.slot = torch.zeros(slots, dtype=torch.float32, device=device)
+        self.row = torch.ones(rows, dtype=torch.float32, device=device)
+        slot, row, last_slot, last_row = self.slot, self.row, slots - 1, rows - 1
+
+        def slot_log_weight_score_mod(score, b, h, q_idx, kv_idx):
+            w = row[q_idx.clamp(0, last_row)] * slot[kv_idx.clamp(0, last_slot)]
+            return score + w.to(score.dtype)
+
+        self.score_mod = slot_log_weight_score_mod
+
+    def update(self, new_slots: torch.Tensor, writes=None, unweighted_rows=None) -> None:
+        """One step: the slots its keys are written to reset (``new_slots``, negative:
+        padding), then ``writes = (blocks, offsets, log_weights)`` stored, then the query rows
+        in ``unweighted_rows`` (None: none) set to read no weight."""
+        new = new_slots[new_slots >= 0].to(device=self.slot.device, dtype=torch.int64)
+        self.slot[new] = 0.0
+        if writes is not None:
+            blocks, offsets, log_weights = writes
+            where = (blocks.to(torch.int64) * self.block + offsets.to(torch.int64)).to(
+                self.slot.device
+            )
+            self.slot[where] = log_weights.to(device=self.slot.device, dtype=torch.float32)
+        self.row.fill_(1.0)
+        if unweighted_rows is not None:
+            self.row[unweighted_rows.to(self.row.device)] = 0.0
