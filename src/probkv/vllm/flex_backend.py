@@ -23,7 +23,6 @@ step). Imported only by vLLM code (it imports vLLM).
 from __future__ import annotations
 
 from vllm.v1.attention.backend import AttentionType
-from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
 from probkv.vllm import internals, worker
 from probkv.vllm.flex import SlotLogWeights
@@ -107,6 +106,4 @@ class ProbKVFlexBackend(_FlexBackend):
 
 def register_flex_backend() -> None:
     """vLLM's ``FLEX_ATTENTION`` becomes probkv's subclass in this process (idempotent)."""
-    register_backend(
-        AttentionBackendEnum.FLEX_ATTENTION, "probkv.vllm.flex_backend.ProbKVFlexBackend"
-    )
+    worker.register_attention_backend(internals.FLEX)

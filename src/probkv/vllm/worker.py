@@ -1,7 +1,8 @@
 """The vLLM worker of an evicting engine: each request's eviction state, in every TP rank.
 
-``ProbKVWorker`` is vLLM's ``CPUWorker`` (set as ``worker_cls`` by ``probkv.vllm.plugin`` when
-the engine has probkv's option). Before each step it starts the eviction state of new requests
+``ProbKVWorker`` is vLLM's ``CPUWorker`` with ``EvictingWorker``'s hooks (set as ``worker_cls``
+by ``probkv.vllm.plugin`` when the engine has probkv's option; ``probkv.vllm.gpu_worker`` mixes
+the same hooks into vLLM's GPU worker). Before each step it starts the eviction state of new requests
 (``probkv.vllm.request_eviction.RequestEviction``, the engine's method or the request's own
 ``extra_args``) and drops finished ones; during the forward the attention backend
 (``probkv.vllm.backend``) calls ``WorkerEviction.attend`` per layer; after the forward every
@@ -29,6 +30,7 @@ from probkv.vllm.request_eviction import RequestEviction, tensor_parallel_policy
 from probkv.vllm.weights import padded_head_size
 
 OUTPUT_FIELD = "probkv_evicted"  # req_id -> {"freed": [...], ...} on a ModelRunnerOutput
+FLEX_BACKEND = "probkv.vllm.flex_backend.ProbKVFlexBackend"
 _ACTIVE: WorkerEviction | None = None
 
 
@@ -61,9 +63,7 @@ def register_attention_backend(backend: str | None = None) -> None:
     """vLLM's ``CPU_ATTN`` (``backend`` None or ``"CPU_ATTN"``) or ``FLEX_ATTENTION`` becomes
     probkv's subclass in this process (idempotent)."""
     if backend == internals.FLEX:
-        from probkv.vllm.flex_backend import register_flex_backend
-
-        register_flex_backend()
+        register_backend(AttentionBackendEnum.FLEX_ATTENTION, FLEX_BACKEND)
         return
     register_backend(AttentionBackendEnum.CPU_ATTN, "probkv.vllm.backend.ProbKVCPUBackend")
 
@@ -291,8 +291,12 @@ def opts_name(request: RequestEviction) -> str:
     return method_name(dataclasses.replace(policy, score_params=params))
 
 
-class ProbKVWorker(CPUWorker):
-    """vLLM's CPU worker with probkv's eviction state (module docstring)."""
+class EvictingWorker:
+    """probkv's eviction hooks on a vLLM worker, written once against what every vLLM worker
+    has (``WorkerBase``'s ``get_kv_cache_spec``, ``load_model``, ``execute_model``,
+    ``sample_tokens``): mixed into vLLM's CPU worker (``ProbKVWorker``) and its GPU worker
+    (``probkv.vllm.gpu_worker``). Only the cache's layout differs by backend, and that is read
+    in the attention backends (``backend``, ``flex_backend``)."""
 
     def __init__(self, vllm_config, *args, **kwargs) -> None:
         global _ACTIVE
@@ -357,3 +361,7 @@ class ProbKVWorker(CPUWorker):
     def sample_tokens(self, grammar_output):
         output = super().sample_tokens(grammar_output)
         return output if self._probkv is None else self._probkv.attach(output)
+
+
+class ProbKVWorker(EvictingWorker, CPUWorker):
+    """vLLM's CPU worker with probkv's eviction state (module docstring)."""
