@@ -2,7 +2,7 @@
 attention (S4) over each request's kept entries with their log-weights, in both environments
 (pure torch; eager flex_attention runs on the CPU). The test of vLLM's FlexAttention metadata
 imports vLLM inside itself and is skipped where vLLM is not installed. On a machine with CUDA the
-compiled kernel is checked as well (docs/vllm.md, "A GPU path (untested)")."""
+compiled kernel is checked as well (docs/vllm.md, "FlexAttention, and the GPU path")."""
 
 from __future__ import annotations
 
