@@ -16,10 +16,8 @@ from torch.nn.attention.flex_attention import and_masks, create_block_mask, flex
 from probkv.estimation import corrected_attention, corrected_attention_reference
 from probkv.vllm.flex import (
     KeptTables,
-    batch_tables,
     kept_tables,
     mask_mod,
-    packed_score_mod,
     score_mod,
 )
 from probkv.vllm.request_eviction import decode_attention
@@ -199,45 +197,6 @@ def test_evicted_positions_get_no_mass_even_with_huge_keys():
         torch.testing.assert_close(out[i], expected, rtol=1e-5, atol=1e-5)
 
 
-def test_packed_form_is_vllm_layout_decode_attention():
-    """vLLM's form: every request's queries packed in one row; a wrapper maps the packed
-    key index to the request's logical position, as vLLM's ``get_transformed_score_mod`` does.
-    Equals ``probkv.vllm.request_eviction.decode_attention`` (the CPU backend's decode)."""
-    positions, log_weights = kept_sets(9, 4, weighted=True)
-    tables = kept_tables(positions, log_weights, PROMPTS, block=4)
-    queries = [1, 3, 2]
-    g = torch.Generator().manual_seed(10)
-    lengths = [t + a for t, a in zip(PROMPTS, AFTER)]
-    q_start = torch.tensor([0, *torch.tensor(queries).cumsum(0).tolist()])
-    kv_start = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-    doc = torch.repeat_interleave(torch.arange(3), torch.tensor(queries))
-    kv_doc = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))
-    q = torch.randn(1, HQ, int(q_start[-1]), D, generator=g)
-    k = torch.randn(1, HKV, int(kv_start[-1]), D, generator=g)
-    v = torch.randn(1, HKV, int(kv_start[-1]), D, generator=g)
-    user = packed_score_mod(tables, doc)
-    last_q = torch.tensor(lengths) - torch.tensor(queries)
-
-    def transformed(score, b, h, q_idx, kv_idx):  # vLLM's wrapper, in miniature
-        r = doc[q_idx]
-        logical_q = q_idx - q_start[r] + last_q[r]
-        logical_kv = kv_idx - kv_start[r]
-        valid = (kv_doc[kv_idx] == r) & (logical_kv <= logical_q)
-        inner = user(score, b, h, logical_q, logical_kv, physical_q=q_idx)
-        return torch.where(valid, inner, -math.inf)
-
-    out = eager_flex(q, k, v, score_mod=transformed, scale=SCALE, enable_gqa=True)
-    for i, (t, n) in enumerate(zip(PROMPTS, lengths)):
-        index = torch.cat([positions[i], torch.arange(t, n)])
-        logw = torch.cat([log_weights[i], torch.zeros(n - t)])
-        keys = k[0, :, kv_start[i] : kv_start[i + 1]][:, index].transpose(0, 1)  # [n', Hkv, D]
-        values = v[0, :, kv_start[i] : kv_start[i + 1]][:, index].transpose(0, 1)
-        rows = q[0, :, q_start[i] : q_start[i + 1]].transpose(0, 1)  # [q, Hq, D]
-        expected = decode_attention(rows, keys, values, logw, scale=SCALE)
-        got = out[0, :, q_start[i] : q_start[i + 1]].transpose(0, 1)
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-
-
 def test_tables_hold_log_weights_minus_inf_and_lengths():
     positions = [torch.tensor([0, 1, 2, 3, 8, 9]), torch.tensor([], dtype=torch.int64)]
     log_weights = [torch.tensor([0.5] * 4 + [1.5] * 2), torch.tensor([])]
@@ -247,21 +206,6 @@ def test_tables_hold_log_weights_minus_inf_and_lengths():
     assert tables.prompt_lengths.tolist() == [10, 0] and tables.block == 4
     by_position = kept_tables(positions, log_weights, [10, 0])
     assert by_position.log_weights[0].tolist() == [0.5] * 4 + [-inf] * 4 + [1.5] * 2
-
-
-def test_batch_tables_read_each_rows_kept_prefix():
-    """One row per batch request; a request that evicts nothing (None) weighs every
-    position 0; a batch where none has evicted needs no tables."""
-    from types import SimpleNamespace
-
-    kept = SimpleNamespace(
-        positions=torch.arange(4, 8), log_weights=torch.full((4,), 0.25), prompt_length=10
-    )
-    tables = batch_tables([None, kept], block=2)
-    inf = math.inf
-    assert tables.log_weights.tolist() == [[-inf] * 5, [-inf, -inf, 0.25, 0.25, -inf]]
-    assert tables.prompt_lengths.tolist() == [0, 10]
-    assert batch_tables([None, None], block=2) is None
 
 
 def test_tables_written_in_place_equal_new_ones():

@@ -11,17 +11,16 @@ logit of the key at sequence index ``kv`` of request ``r`` gets
 
 which is ``probkv.estimation.corrected_attention`` over the kept entries. ``kept_tables`` builds
 the dense tables the mods index, ``[R, W]`` float32 over units of ``block`` positions, in one
-vectorised step from the requests' kept sets (``batch_tables``: from one step's
-``KeptPrefix`` per batch row; ``KeptTables.empty`` and ``out=`` keep fixed shapes). Requests that evict nothing get a row with prompt
+vectorised step from the requests' kept sets (``KeptTables.empty`` and ``out=`` keep fixed
+shapes). Requests that evict nothing get a row with prompt
 length 0 (every position weight 0). Indices are clamped, so the mods may be evaluated at any
 ``(b, kv_idx)`` (vLLM evaluates them at invalid positions and discards the result).
 
-Two forms of the mods: ``score_mod`` / ``mask_mod``, in which the batch index ``b`` is the
-request (a padded batch, one request per row); and ``packed_score_mod``, vLLM's form
-(``vllm/v1/attention/backends/flex_attention.py``), in which every request's tokens are packed
-into one batch row and vLLM's wrapper passes the logical positions plus the packed query row
-``physical_q``, whose request ``request_of_token`` gives. Causality is the caller's (vLLM's
-own mask); the mods add only the eviction.
+``score_mod`` / ``mask_mod`` take a padded batch, one request per row (batch index ``b``);
+causality is the caller's. vLLM's packed form is ``SlotLogWeights`` (below): per physical
+cache slot, over vLLM's compacted metadata, so it needs no prompt tables (an earlier form over
+true positions, indexed by logical position and prompt length, lost a decode budget's earlier
+plans and weighed rows recomputed after a preemption; it was removed).
 """
 
 from __future__ import annotations
@@ -29,12 +28,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from probkv.vllm.request_eviction import KeptPrefix
 
 NEG_INF = -math.inf
 
@@ -152,29 +147,6 @@ def kept_tables(
     return out
 
 
-def batch_tables(
-    kept: Sequence[KeptPrefix | None],
-    *,
-    block: int = 1,
-    out: KeptTables | None = None,
-    device: torch.device | str | None = None,
-) -> KeptTables | None:
-    """The tables of one step's batch, row ``i`` for the batch's request ``i``: its kept prefix
-    (``probkv.vllm.request_eviction.KeptPrefix``, true positions), or None where it evicts nothing (not
-    evicting, or not selected yet). None when no request of the batch has evicted."""
-    if all(k is None for k in kept):
-        return None
-    empty = torch.zeros(0, dtype=torch.int64)
-    return kept_tables(
-        [empty if k is None else k.positions for k in kept],
-        [empty.float() if k is None else k.log_weights for k in kept],
-        [0 if k is None else k.prompt_length for k in kept],
-        block=block,
-        out=out,
-        device=device,
-    )
-
-
 def _bias(
     table: torch.Tensor, lengths: torch.Tensor, block: int, request: torch.Tensor, kv: torch.Tensor
 ) -> torch.Tensor:
@@ -205,21 +177,6 @@ def mask_mod(tables: KeptTables):
         return _bias(table, lengths, block, b, kv_idx) > NEG_INF
 
     return kept_mask_mod
-
-
-def packed_score_mod(tables: KeptTables, request_of_token: torch.Tensor):
-    """vLLM's ``score_mod`` form: every request's tokens in one batch row, ``q_idx`` and
-    ``kv_idx`` the logical positions, ``physical_q`` the packed query row, whose request is
-    ``request_of_token[physical_q]`` (vLLM's ``doc_ids``; table row = the request's index in
-    the step's batch)."""
-    table, lengths, block = tables.log_weights, tables.prompt_lengths, tables.block
-    last = request_of_token.shape[0] - 1
-
-    def packed_log_weight_score_mod(score, b, h, q_idx, kv_idx, physical_q):
-        request = request_of_token[physical_q.clamp(0, last)]
-        return score + _bias(table, lengths, block, request, kv_idx)
-
-    return packed_log_weight_score_mod
 
 
 class SlotLogWeights:
