@@ -48,6 +48,7 @@ class ProbKVFlexMetadataBuilder(_FlexBuilder):
         if state is not None:
             common_attn_metadata = state.compact_metadata(common_attn_metadata)
         out = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        internals.widen_flex_block_mask(out)  # torch's CPU lowering needs every cache block
         if state is None or not state.engine.weighted:
             return out
         if self._weights is None:

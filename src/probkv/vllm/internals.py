@@ -243,6 +243,37 @@ def write_flex_cache(key, value, kv_cache, slot_mapping, head_size: int) -> None
     values[blocks, :, offsets] = value[:n][valid].to(values.dtype)
 
 
+def widen_flex_block_mask(metadata) -> None:
+    """On the CPU, a step's direct-built block mask (``BlockMask.from_kv_blocks``) rebuilt so
+    that torch's CPU lowering of ``flex_attention`` compiles it: vLLM sizes its ``kv_indices``
+    by the step's longest sequence while the kernel's keys are the whole cache, and the
+    lowering asserts that the mask covers the keys ("KV seqlen must be smaller than the
+    block_mask size"): the indices are widened to every cache block (the added columns lie
+    past each row's ``kv_num_blocks``, never read; the width is the same every step). vLLM
+    passes no full blocks, with which torch's CPU template does not compile
+    ("'full_kv_num_blocks' was not declared"): an empty set of full blocks is given."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    mask = metadata.block_mask
+    if mask is None or not metadata.direct_build or mask.kv_indices.device.type != "cpu":
+        return
+    blocks = metadata.total_cache_tokens // metadata.kv_block_size
+    width = mask.kv_indices.shape[-1]
+    indices = mask.kv_indices
+    if width < blocks:
+        indices = torch.nn.functional.pad(indices, (0, blocks - width), value=0)
+    metadata.block_mask = BlockMask.from_kv_blocks(
+        mask.kv_num_blocks,
+        indices,
+        full_kv_num_blocks=torch.zeros_like(mask.kv_num_blocks),
+        full_kv_indices=torch.zeros_like(indices),
+        BLOCK_SIZE=mask.BLOCK_SIZE,
+        mask_mod=mask.mask_mod,
+        seq_lengths=mask.seq_lengths,
+        compute_q_blocks=False,
+    )
+
+
 def set_flex_score_mod(metadata, score_mod) -> None:
     """Give a step's ``FlexAttentionMetadata`` a score_mod over the packed query row and the
     physical cache slot (what vLLM's kernel iterates): it is set as the metadata's
