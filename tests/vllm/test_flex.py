@@ -2,7 +2,7 @@
 attention (S4) over each request's kept entries with their log-weights, in both environments
 (pure torch; eager flex_attention runs on the CPU). The test of vLLM's FlexAttention metadata
 imports vLLM inside itself and is skipped where vLLM is not installed. On a machine with CUDA the
-compiled kernel is checked as well (docs/vllm.md, "A GPU path (untested)")."""
+compiled kernel is checked as well (docs/vllm.md, "FlexAttention, and the GPU path")."""
 
 from __future__ import annotations
 
@@ -16,10 +16,8 @@ from torch.nn.attention.flex_attention import and_masks, create_block_mask, flex
 from probkv.estimation import corrected_attention, corrected_attention_reference
 from probkv.vllm.flex import (
     KeptTables,
-    batch_tables,
     kept_tables,
     mask_mod,
-    packed_score_mod,
     score_mod,
 )
 from probkv.vllm.request_eviction import decode_attention
@@ -199,45 +197,6 @@ def test_evicted_positions_get_no_mass_even_with_huge_keys():
         torch.testing.assert_close(out[i], expected, rtol=1e-5, atol=1e-5)
 
 
-def test_packed_form_is_vllm_layout_decode_attention():
-    """vLLM's form: every request's queries packed in one row; a wrapper maps the packed
-    key index to the request's logical position, as vLLM's ``get_transformed_score_mod`` does.
-    Equals ``probkv.vllm.request_eviction.decode_attention`` (the CPU backend's decode)."""
-    positions, log_weights = kept_sets(9, 4, weighted=True)
-    tables = kept_tables(positions, log_weights, PROMPTS, block=4)
-    queries = [1, 3, 2]
-    g = torch.Generator().manual_seed(10)
-    lengths = [t + a for t, a in zip(PROMPTS, AFTER)]
-    q_start = torch.tensor([0, *torch.tensor(queries).cumsum(0).tolist()])
-    kv_start = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-    doc = torch.repeat_interleave(torch.arange(3), torch.tensor(queries))
-    kv_doc = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))
-    q = torch.randn(1, HQ, int(q_start[-1]), D, generator=g)
-    k = torch.randn(1, HKV, int(kv_start[-1]), D, generator=g)
-    v = torch.randn(1, HKV, int(kv_start[-1]), D, generator=g)
-    user = packed_score_mod(tables, doc)
-    last_q = torch.tensor(lengths) - torch.tensor(queries)
-
-    def transformed(score, b, h, q_idx, kv_idx):  # vLLM's wrapper, in miniature
-        r = doc[q_idx]
-        logical_q = q_idx - q_start[r] + last_q[r]
-        logical_kv = kv_idx - kv_start[r]
-        valid = (kv_doc[kv_idx] == r) & (logical_kv <= logical_q)
-        inner = user(score, b, h, logical_q, logical_kv, physical_q=q_idx)
-        return torch.where(valid, inner, -math.inf)
-
-    out = eager_flex(q, k, v, score_mod=transformed, scale=SCALE, enable_gqa=True)
-    for i, (t, n) in enumerate(zip(PROMPTS, lengths)):
-        index = torch.cat([positions[i], torch.arange(t, n)])
-        logw = torch.cat([log_weights[i], torch.zeros(n - t)])
-        keys = k[0, :, kv_start[i] : kv_start[i + 1]][:, index].transpose(0, 1)  # [n', Hkv, D]
-        values = v[0, :, kv_start[i] : kv_start[i + 1]][:, index].transpose(0, 1)
-        rows = q[0, :, q_start[i] : q_start[i + 1]].transpose(0, 1)  # [q, Hq, D]
-        expected = decode_attention(rows, keys, values, logw, scale=SCALE)
-        got = out[0, :, q_start[i] : q_start[i + 1]].transpose(0, 1)
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-
-
 def test_tables_hold_log_weights_minus_inf_and_lengths():
     positions = [torch.tensor([0, 1, 2, 3, 8, 9]), torch.tensor([], dtype=torch.int64)]
     log_weights = [torch.tensor([0.5] * 4 + [1.5] * 2), torch.tensor([])]
@@ -247,21 +206,6 @@ def test_tables_hold_log_weights_minus_inf_and_lengths():
     assert tables.prompt_lengths.tolist() == [10, 0] and tables.block == 4
     by_position = kept_tables(positions, log_weights, [10, 0])
     assert by_position.log_weights[0].tolist() == [0.5] * 4 + [-inf] * 4 + [1.5] * 2
-
-
-def test_batch_tables_read_each_rows_kept_prefix():
-    """One row per batch request; a request that evicts nothing (None) weighs every
-    position 0; a batch where none has evicted needs no tables."""
-    from types import SimpleNamespace
-
-    kept = SimpleNamespace(
-        positions=torch.arange(4, 8), log_weights=torch.full((4,), 0.25), prompt_length=10
-    )
-    tables = batch_tables([None, kept], block=2)
-    inf = math.inf
-    assert tables.log_weights.tolist() == [[-inf] * 5, [-inf, -inf, 0.25, 0.25, -inf]]
-    assert tables.prompt_lengths.tolist() == [0, 10]
-    assert batch_tables([None, None], block=2) is None
 
 
 def test_tables_written_in_place_equal_new_ones():
@@ -327,80 +271,79 @@ def test_compiled_kernel_traces_the_mods(device):
 
 PAGED_BLOCK, PAGED_BLOCKS = 16, 20
 PAGED_PROMPTS, PAGED_LENGTHS, PAGED_QUERIES = (70, 40, 33, 20), (75, 43, 53, 26), (1, 3, 1, 2)
-PAGED_KEPT = ([0, 2, 3], [0, 2], [1, 2], None)  # kept blocks; request 0 evicts partial block 4
+PAGED_KEPT = ([0, 2, 3], [1], [0], None)  # kept whole blocks of the prompt (None: no eviction)
+STALE = 7  # a stale block id left in the table past a request's blocks (vLLM's is append-only)
 
 
 def paged_requests():
-    """Four requests in a paged cache of vLLM's FlexAttention layout (``[slot, Hkv, D]``):
-    block table (freed blocks are the null block 0), each request's kept prefix (None: evicts
-    nothing) and visible positions with log-weights, packed queries, keys and values. Keys
-    of 1e3 wherever nothing may be read, aligned with the query at 1e4 times its norm on
-    request 0's evicted partial block, which stays in the cache (new tokens go there)."""
-    from types import SimpleNamespace
-
+    """Four requests in a paged cache of vLLM's FlexAttention layout (``[slot, Hkv, D]``): the
+    block table of the compacted metadata (each evicted request's kept blocks, then its blocks
+    from the prompt's last partial one on; the rest of the row holds stale ids of blocks other
+    requests use), the compact lengths, each request's visible true positions with their
+    log-weights (per slot), packed queries, keys and values. Freed blocks hold keys of 1e3."""
     block, num_blocks = PAGED_BLOCK, PAGED_BLOCKS
     g = torch.Generator().manual_seed(15)
     physical = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()  # 0 is the null block
-    table = torch.zeros(4, 8, dtype=torch.int32)
-    kept, visible = [], []
-    for r, (t, n, blocks) in enumerate(zip(PAGED_PROMPTS, PAGED_LENGTHS, PAGED_KEPT)):
-        for b in range(-(-n // block)):
-            freed = blocks is not None and b < t // block and b not in blocks
-            table[r, b] = 0 if freed else physical.pop()
-        if blocks is None:
-            kept.append(None)
-            visible.append((torch.arange(n), torch.zeros(n)))
-            continue
-        positions = torch.arange(t)[torch.isin(torch.arange(t) // block, torch.tensor(blocks))]
-        unit_logw = -torch.log(torch.rand(-(-t // block), generator=g) * 0.9 + 0.05)
-        logw = unit_logw[positions // block]
-        kept.append(SimpleNamespace(positions=positions, log_weights=logw, prompt_length=t))
-        visible.append(
-            (torch.cat([positions, torch.arange(t, n)]), torch.cat([logw, torch.zeros(n - t)]))
-        )
-    q = torch.randn(sum(PAGED_QUERIES), HQ, D, generator=g)
+    table = torch.full((4, 8), STALE, dtype=torch.int32)
+    lengths, visible = [], []
     k = 1e3 * torch.ones(num_blocks * block, HKV, D)
     v = 1e3 * torch.ones(num_blocks * block, HKV, D)
-    for r, (positions, _) in enumerate(visible):
-        slots = table[r, positions // block].long() * block + positions % block
+    slot_logw = torch.zeros(num_blocks * block)
+    for r, (t, n, kept) in enumerate(zip(PAGED_PROMPTS, PAGED_LENGTHS, PAGED_KEPT)):
+        whole = t // block if kept is not None else 0
+        blocks = list(kept or []) + list(range(whole, -(-n // block)))
+        ids = [physical.pop() for _ in blocks]
+        table[r, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        positions = torch.cat([torch.arange(b * block, (b + 1) * block) for b in blocks])
+        positions = positions[positions < n]
+        slots = torch.tensor(ids)[torch.arange(positions.numel()) // block] * block
+        slots = slots + positions % block
+        logw = torch.zeros(positions.numel())
+        if kept is not None:
+            prompt = positions < whole * block
+            unit = -torch.log(torch.rand(len(kept), generator=g) * 0.9 + 0.05)
+            logw[prompt] = unit[torch.arange(int(prompt.sum())) // block]
+        slot_logw[slots] = logw
         k[slots] = torch.randn(slots.numel(), HKV, D, generator=g)
         v[slots] = torch.randn(slots.numel(), HKV, D, generator=g)
-    evicted = torch.arange(64, 70)
-    k[table[0, 4].long() * block + evicted % block] = 1e4 * q[0, :: HQ // HKV]
-    return table, kept, visible, q, k, v
+        lengths.append(positions.numel())
+        visible.append((slots, logw))
+    q = torch.randn(sum(PAGED_QUERIES), HQ, D, generator=g)
+    return table, lengths, visible, slot_logw, q, k, v
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_vllm_flex_metadata_with_probkv_score_mod_equals_decode_attention(compiled, device):
-    """vLLM's own FlexAttention metadata over a paged cache (``paged_requests``), given
-    probkv's score_mod by ``flex_backend.attach_log_weights``: flex_attention, eager or
-    compiled as vLLM calls it, equals ``decode_attention`` over each request's kept positions
-    (a decode row, a chunk of 3); a request that evicts nothing keeps plain causal attention."""
+def test_vllm_flex_metadata_with_probkvs_slot_weights_equals_decode_attention(compiled, device):
+    """vLLM's own FlexAttention metadata over compacted block tables with stale ids past each
+    request's blocks (``paged_requests``), given probkv's score_mod (``SlotLogWeights``, set as
+    in ``flex_backend``): flex_attention, eager or compiled as vLLM calls it, equals
+    ``decode_attention`` over each request's visible positions with their log-weights; the
+    rows of request 1 read none (rows computed again after a preemption), and a slot written
+    by the step's keys loses its weight."""
     pytest.importorskip("vllm", reason="vLLM is not installed here: make test-vllm runs it")
-    from types import SimpleNamespace
-
     from vllm.v1.attention.backends.flex_attention import (
         FlexAttentionMetadata,
         flex_attention_compiled,
         physical_to_logical_mapping,
     )
 
-    from probkv.vllm.flex_backend import attach_log_weights
+    from probkv.vllm import internals
+    from probkv.vllm.flex import SlotLogWeights
 
     block, num_blocks, queries = PAGED_BLOCK, PAGED_BLOCKS, PAGED_QUERIES
-    table, kept, visible, q, k, v = paged_requests()
+    table, seq_lens, visible, slot_logw, q, k, v = paged_requests()
     total = sum(queries)
     query_lens = torch.tensor(queries, dtype=torch.int32)
     starts = torch.cat([torch.zeros(1, dtype=torch.int32), query_lens.cumsum(0)]).int()
-    lengths = torch.tensor(PAGED_LENGTHS, dtype=torch.int32)
+    lengths = torch.tensor(seq_lens, dtype=torch.int32)
 
     def on(x):
         return x.to(device)
 
     metadata = FlexAttentionMetadata(
         causal=True, num_actual_tokens=total, max_query_len=max(queries),
-        query_start_loc=on(starts), query_start_loc_cpu=starts, max_seq_len=max(PAGED_LENGTHS),
+        query_start_loc=on(starts), query_start_loc_cpu=starts, max_seq_len=max(seq_lens),
         seq_lens=on(lengths), block_table=on(table),
         slot_mapping=on(torch.zeros(total, dtype=torch.int64)),
         total_cache_tokens=num_blocks * block, block_size=block, max_possible_sequence_length=128,
@@ -413,8 +356,22 @@ def test_vllm_flex_metadata_with_probkv_score_mod_equals_decode_attention(compil
         kv_block_size=block,
     )  # fmt: skip
     metadata.block_mask = metadata._build_block_mask_direct()
-    tables = attach_log_weights(metadata, kept, block)
-    assert tables is not None and tables.log_weights.device == metadata.block_table.device
+    weights = SlotLogWeights(num_blocks * block, 64, block, device)
+    every = torch.arange(num_blocks * block)
+    stale_slot = int(visible[0][0][0])  # request 0's first kept slot, written again this step
+    unweighted = torch.arange(int(starts[1]), int(starts[2]))
+    weights.update(
+        torch.tensor([stale_slot, -1]),
+        (every // block, every % block, slot_logw),
+        unweighted,
+    )
+    assert float(weights.slot[stale_slot]) == float(slot_logw[stale_slot])  # writes come after
+    weights.update(torch.tensor([stale_slot, -1]), None, unweighted)
+    assert float(weights.slot[stale_slot]) == 0.0
+    slot_logw[stale_slot] = 0.0
+    internals.set_flex_score_mod(metadata, weights.score_mod)
+    if compiled:  # fresh: torch's CPU code for shapes marked dynamic by an earlier test fails
+        torch._dynamo.reset()  # to build ("'cur_qSplitSize8' was not declared")
     attention = flex_attention_compiled if compiled else eager_flex
     out = (
         attention(
@@ -430,13 +387,32 @@ def test_vllm_flex_metadata_with_probkv_score_mod_equals_decode_attention(compil
         .cpu()
     )  # [T, Hq, D]
     tol = 1e-5 if device == "cpu" else 1e-3  # a GPU's kernel may round matmuls (TF32)
-    for r, (positions, logw) in enumerate(visible):
-        slots = table[r, positions // block].long() * block + positions % block
+    for r, (slots, _) in enumerate(visible):
         lo, hi = int(starts[r]), int(starts[r + 1])
+        logw = slot_logw[slots] if r != 1 else torch.zeros(slots.numel())
         expected = decode_attention(q[lo:hi], k[slots], v[slots], logw, scale=SCALE)
         torch.testing.assert_close(out[lo:hi], expected, rtol=tol, atol=tol)
-    nothing = SimpleNamespace(block_table=table, score_mod=None)
-    assert attach_log_weights(nothing, [None] * 4, block) is None and nothing.score_mod is None
+
+
+def test_torch_cache_write_equals_vllms_layout():
+    """``internals.write_flex_cache`` (vLLM's CPU build lacks the CUDA writer FlexAttention
+    calls): slot s lands at block s // b, offset s % b of the keys and values halves; padded
+    slots (-1) write nothing."""
+    from probkv.vllm import internals
+
+    g = torch.Generator().manual_seed(3)
+    blocks, block = 5, 4
+    storage = torch.zeros(blocks, block, HKV, 2 * D)  # vLLM's physical order
+    kv_cache = storage.permute(0, 2, 1, 3)  # [blocks, Hkv, block, 2 D], as the backend sees it
+    key, value = torch.randn(4, HKV, D, generator=g), torch.randn(4, HKV, D, generator=g)
+    slots = torch.tensor([0, 9, -1, 19])
+    internals.write_flex_cache(key, value, kv_cache, slots, D)
+    for i, s in enumerate(slots.tolist()):
+        if s < 0:
+            continue
+        torch.testing.assert_close(storage[s // block, s % block, :, :D], key[i])
+        torch.testing.assert_close(storage[s // block, s % block, :, D:], value[i])
+    assert int((storage != 0).any(-1).any(-1).sum()) == 3
 
 
 def test_flex_backend_uses_probkvs_builder_and_refuses_full_cuda_graphs():

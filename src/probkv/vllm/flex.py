@@ -11,17 +11,16 @@ logit of the key at sequence index ``kv`` of request ``r`` gets
 
 which is ``probkv.estimation.corrected_attention`` over the kept entries. ``kept_tables`` builds
 the dense tables the mods index, ``[R, W]`` float32 over units of ``block`` positions, in one
-vectorised step from the requests' kept sets (``batch_tables``: from one step's
-``KeptPrefix`` per batch row; ``KeptTables.empty`` and ``out=`` keep fixed shapes). Requests that evict nothing get a row with prompt
+vectorised step from the requests' kept sets (``KeptTables.empty`` and ``out=`` keep fixed
+shapes). Requests that evict nothing get a row with prompt
 length 0 (every position weight 0). Indices are clamped, so the mods may be evaluated at any
 ``(b, kv_idx)`` (vLLM evaluates them at invalid positions and discards the result).
 
-Two forms of the mods: ``score_mod`` / ``mask_mod``, in which the batch index ``b`` is the
-request (a padded batch, one request per row); and ``packed_score_mod``, vLLM's form
-(``vllm/v1/attention/backends/flex_attention.py``), in which every request's tokens are packed
-into one batch row and vLLM's wrapper passes the logical positions plus the packed query row
-``physical_q``, whose request ``request_of_token`` gives. Causality is the caller's (vLLM's
-own mask); the mods add only the eviction.
+``score_mod`` / ``mask_mod`` take a padded batch, one request per row (batch index ``b``);
+causality is the caller's. vLLM's packed form is ``SlotLogWeights`` (below): per physical
+cache slot, over vLLM's compacted metadata, so it needs no prompt tables (an earlier form over
+true positions, indexed by logical position and prompt length, lost a decode budget's earlier
+plans and weighed rows recomputed after a preemption; it was removed).
 """
 
 from __future__ import annotations
@@ -29,12 +28,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from probkv.vllm.request_eviction import KeptPrefix
 
 NEG_INF = -math.inf
 
@@ -152,29 +147,6 @@ def kept_tables(
     return out
 
 
-def batch_tables(
-    kept: Sequence[KeptPrefix | None],
-    *,
-    block: int = 1,
-    out: KeptTables | None = None,
-    device: torch.device | str | None = None,
-) -> KeptTables | None:
-    """The tables of one step's batch, row ``i`` for the batch's request ``i``: its kept prefix
-    (``probkv.vllm.request_eviction.KeptPrefix``, true positions), or None where it evicts nothing (not
-    evicting, or not selected yet). None when no request of the batch has evicted."""
-    if all(k is None for k in kept):
-        return None
-    empty = torch.zeros(0, dtype=torch.int64)
-    return kept_tables(
-        [empty if k is None else k.positions for k in kept],
-        [empty.float() if k is None else k.log_weights for k in kept],
-        [0 if k is None else k.prompt_length for k in kept],
-        block=block,
-        out=out,
-        device=device,
-    )
-
-
 def _bias(
     table: torch.Tensor, lengths: torch.Tensor, block: int, request: torch.Tensor, kv: torch.Tensor
 ) -> torch.Tensor:
@@ -207,16 +179,41 @@ def mask_mod(tables: KeptTables):
     return kept_mask_mod
 
 
-def packed_score_mod(tables: KeptTables, request_of_token: torch.Tensor):
-    """vLLM's ``score_mod`` form: every request's tokens in one batch row, ``q_idx`` and
-    ``kv_idx`` the logical positions, ``physical_q`` the packed query row, whose request is
-    ``request_of_token[physical_q]`` (vLLM's ``doc_ids``; table row = the request's index in
-    the step's batch)."""
-    table, lengths, block = tables.log_weights, tables.prompt_lengths, tables.block
-    last = request_of_token.shape[0] - 1
+class SlotLogWeights:
+    """The log-weights of ``prob:`` requests beside FlexAttention's paged cache: ``log w`` per
+    physical cache slot (0 unless a selection wrote it; a slot written again by the step's
+    keys is reset to 0) and, per packed query row of the step, whether it reads them (1, or 0
+    for prompt rows computed again after a preemption). The same state as the CPU backend's
+    spare key columns (``probkv.vllm.weights``), outside the cache. ``score_mod`` is one
+    function for the engine's life over these fixed-size tensors, updated in place each step
+    (``update``), so a compiled ``flex_attention`` is not recompiled per step."""
 
-    def packed_log_weight_score_mod(score, b, h, q_idx, kv_idx, physical_q):
-        request = request_of_token[physical_q.clamp(0, last)]
-        return score + _bias(table, lengths, block, request, kv_idx)
+    def __init__(self, slots: int, rows: int, block: int, device=None) -> None:
+        if slots < 1 or rows < 1 or block < 1:
+            raise ValueError(f"slots, rows and block must be >= 1, got {slots}, {rows}, {block}")
+        self.block = block
+        self.slot = torch.zeros(slots, dtype=torch.float32, device=device)
+        self.row = torch.ones(rows, dtype=torch.float32, device=device)
+        slot, row, last_slot, last_row = self.slot, self.row, slots - 1, rows - 1
 
-    return packed_log_weight_score_mod
+        def slot_log_weight_score_mod(score, b, h, q_idx, kv_idx):
+            w = row[q_idx.clamp(0, last_row)] * slot[kv_idx.clamp(0, last_slot)]
+            return score + w.to(score.dtype)
+
+        self.score_mod = slot_log_weight_score_mod
+
+    def update(self, new_slots: torch.Tensor, writes=None, unweighted_rows=None) -> None:
+        """One step: the slots its keys are written to reset (``new_slots``, negative:
+        padding), then ``writes = (blocks, offsets, log_weights)`` stored, then the query rows
+        in ``unweighted_rows`` (None: none) set to read no weight."""
+        new = new_slots[new_slots >= 0].to(device=self.slot.device, dtype=torch.int64)
+        self.slot[new] = 0.0
+        if writes is not None:
+            blocks, offsets, log_weights = writes
+            where = (blocks.to(torch.int64) * self.block + offsets.to(torch.int64)).to(
+                self.slot.device
+            )
+            self.slot[where] = log_weights.to(device=self.slot.device, dtype=torch.float32)
+        self.row.fill_(1.0)
+        if unweighted_rows is not None:
+            self.row[unweighted_rows.to(self.row.device)] = 0.0

@@ -1,81 +1,110 @@
-"""vLLM's FlexAttention backend with probkv's log-weights: the GPU path, untested on a GPU.
+"""vLLM's FlexAttention backend with probkv's eviction: run on vLLM's CPU platform here.
 
-``ProbKVFlexBackend`` is vLLM's ``FLEX_ATTENTION`` backend whose metadata builder, after vLLM's
-own ``build``, fills fixed-size tables (``probkv.vllm.flex.KeptTables``: one row per batch slot,
-one unit per block of the longest model length) from the kept prefixes of the step's requests
-and sets the metadata's ``score_mod`` (``probkv.vllm.flex.packed_score_mod``): the kernel then
-adds each kept block's log-weight and gives evicted prompt positions ``-inf``, inside vLLM's one
-attention call. Freed blocks are vLLM's null block, which vLLM's own mask already skips. The
-metadata keeps true positions (no compaction on this path). Full CUDA graphs are refused (a
-graph would replay the tables of its capture step); piecewise graphs and eager mode keep
-attention outside graphs.
+``ProbKVFlexBackend`` is vLLM's ``FLEX_ATTENTION`` backend (chosen with vLLM's own switch,
+``attention_backend="FLEX_ATTENTION"``; ``probkv.vllm.plugin`` keeps that choice on the CPU
+platform, which otherwise forces ``CPU_ATTN``) with the same three changes as probkv's CPU
+backend (``probkv.vllm.backend``), from the same worker state (``probkv.vllm.worker``):
 
-Nothing registers this backend yet: ``probkv.vllm.plugin`` refuses every platform but vLLM's
-CPU one, and a GPU worker that observes prompts from FlexAttention's cache is not written
-(docs/vllm.md, "A GPU path (untested)"). ``register_flex_backend`` is the switch a GPU worker
-would call. Imported only by vLLM code (it imports vLLM).
+- its metadata builder hands the step's metadata to ``WorkerEviction.compact_metadata`` first,
+  so vLLM's FlexAttention metadata (block mask, physical-to-logical map, query offsets) is built
+  over each evicted request's kept blocks (S12);
+- in an engine whose method is a ``prob:`` one, the log-weights live beside the cache, per
+  physical slot (``probkv.vllm.flex.SlotLogWeights``: no spare columns, no wider heads), and
+  the metadata's score_mod adds them per query row: rows computed again after a preemption
+  read none, exactly like the CPU path's spare columns;
+- after vLLM's kernel the implementation hands the prefill chunks of requests being observed
+  to the worker's state (``attend``), reading the cache in its token-major layout.
+
+The cache write is torch's (``internals.write_flex_cache``): vLLM's calls a CUDA op that its
+CPU build lacks. Full CUDA graphs are refused (a graph would replay the tables of its capture
+step). Imported only by vLLM code (it imports vLLM).
 """
 
 from __future__ import annotations
 
-from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+from vllm.v1.attention.backend import AttentionType
 
-from probkv.vllm import internals
-from probkv.vllm.flex import KeptTables, batch_tables, packed_score_mod
+from probkv.vllm import internals, worker
+from probkv.vllm.flex import SlotLogWeights
+from probkv.vllm.paged import LAYER_INDEX
 
-_FlexBackend, _FlexBuilder = internals.flex_attention_classes()
-
-
-def attach_log_weights(metadata, kept, block_size: int, tables: KeptTables | None = None):
-    """Give a step's ``FlexAttentionMetadata`` probkv's score_mod for ``kept`` (per batch row, a
-    ``KeptPrefix`` or None); the metadata unchanged when no row has evicted. Returns the
-    tables used (``tables`` when given, written in place), or None."""
-    filled = batch_tables(kept, block=block_size, out=tables, device=metadata.block_table.device)
-    if filled is not None:
-        internals.set_flex_score_mod(metadata, lambda doc_ids: packed_score_mod(filled, doc_ids))
-    return filled
-
-
-def kept_of_batch(num_reqs: int) -> list:
-    """The kept prefix of each of the step's first ``num_reqs`` batch rows, from this process's
-    eviction state (``probkv.vllm.worker``); all None when the engine does not evict."""
-    from probkv.vllm import worker
-
-    state = worker.active()
-    if state is None or state.runner is None:
-        return [None] * num_reqs
-    req_ids = internals.batch_request_ids(state.runner)[:num_reqs]
-    return [getattr(state.requests.get(r), "kept", None) for r in req_ids]
+_FlexBackend, _FlexBuilder, _FlexImpl = internals.flex_attention_classes()
+TOKEN_LAYOUT = ("token", "token")  # probkv.vllm.paged.read_cache's layout of both halves
 
 
 class ProbKVFlexMetadataBuilder(_FlexBuilder):
-    """vLLM's FlexAttention metadata, then probkv's score_mod (module docstring)."""
+    """vLLM's FlexAttention metadata over the compacted metadata, with probkv's score_mod in
+    a ``prob:`` engine (module docstring)."""
 
     _cudagraph_support = internals.no_full_cuda_graphs()
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        rows = vllm_config.scheduler_config.max_num_seqs
-        width = -(-vllm_config.model_config.max_model_len // self.block_size)
-        self._tables = KeptTables.empty(rows, width, self.block_size, device)
+        self._rows = vllm_config.scheduler_config.max_num_batched_tokens
+        self._weights: SlotLogWeights | None = None
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
+        state = worker.active()
+        if state is not None:
+            common_attn_metadata = state.compact_metadata(common_attn_metadata)
         out = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        kept = kept_of_batch(common_attn_metadata.num_reqs)
-        attach_log_weights(out, kept, self.block_size, self._tables)
+        internals.widen_flex_block_mask(out)  # torch's CPU lowering needs every cache block
+        if state is None or not state.engine.weighted:
+            return out
+        if self._weights is None:
+            self._weights = SlotLogWeights(
+                out.total_cache_tokens, self._rows, self.block_size, self.device
+            )
+        notes = state.step
+        self._weights.update(common_attn_metadata.slot_mapping, notes.writes, notes.unweighted_rows)
+        internals.set_flex_score_mod(out, self._weights.score_mod)
+        return out
+
+
+class ProbKVFlexAttentionImpl(_FlexImpl):
+    """vLLM's FlexAttention with torch's cache write, then probkv's observation of prefill
+    chunks (module docstring)."""
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        if self.attn_type == AttentionType.ENCODER_ONLY:
+            return
+        internals.write_flex_cache(key, value, kv_cache, slot_mapping, self.head_size)
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kw):
+        out = super().forward(
+            layer, query, key, value, kv_cache, attn_metadata, output, *args, **kw
+        )
+        state = worker.active()
+        if attn_metadata is None or state is None or not state.step.work:
+            return out
+        if self.attn_type != AttentionType.DECODER:
+            return out
+        match = LAYER_INDEX.search(layer.layer_name)
+        if match is None:
+            raise RuntimeError(f"probkv: cannot read a layer index from {layer.layer_name!r}")
+        state.attend(
+            layer=int(match.group(1)),
+            query=query,
+            caches=internals.flex_cache_halves(kv_cache, self.head_size),
+            layout=TOKEN_LAYOUT,
+            output=output,
+            scale=self.scale,
+        )
         return out
 
 
 class ProbKVFlexBackend(_FlexBackend):
-    """``FLEX_ATTENTION`` with ``ProbKVFlexMetadataBuilder``."""
+    """``FLEX_ATTENTION`` with probkv's builder and implementation."""
 
     @staticmethod
     def get_builder_cls() -> type[ProbKVFlexMetadataBuilder]:
         return ProbKVFlexMetadataBuilder
 
+    @staticmethod
+    def get_impl_cls() -> type[ProbKVFlexAttentionImpl]:
+        return ProbKVFlexAttentionImpl
+
 
 def register_flex_backend() -> None:
     """vLLM's ``FLEX_ATTENTION`` becomes probkv's subclass in this process (idempotent)."""
-    register_backend(
-        AttentionBackendEnum.FLEX_ATTENTION, "probkv.vllm.flex_backend.ProbKVFlexBackend"
-    )
+    worker.register_attention_backend(internals.FLEX)

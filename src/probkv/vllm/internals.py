@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import hashlib
 
+import torch
+
 #: The vLLM version these names were read from (``probkv.vllm.options.TESTED_VLLM``).
 READ_FROM = "0.32.0"
 SCHEDULER_HOOKS = ("_preempt_request", "_free_request")
@@ -77,10 +79,27 @@ def attention_layers(vllm_config) -> dict:
     return get_layers_from_vllm_config(vllm_config, Attention)
 
 
+def backend_name(layers: dict) -> str:
+    """The name of the attention backend vLLM runs in ``layers`` (``attention_layers``: each
+    layer's ``attn_backend``, vllm/model_executor/layers/attention/attention.py); several are
+    refused by name."""
+    names = {layer.attn_backend.get_name() for layer in layers.values()}
+    if len(names) != 1:
+        raise RuntimeError(f"probkv: the attention layers run several backends {sorted(names)}")
+    return names.pop()
+
+
 def replace_metadata(common, **fields):
     """``CommonAttentionMetadata`` (vllm/v1/attention/backend.py) with ``fields`` replaced:
-    its own ``replace`` (a dataclass copy; the runner's object is left as it is)."""
-    return common.replace(**fields)
+    its own ``replace`` (a dataclass copy; the runner's object is left as it is), without
+    the values it caches from the replaced fields (``_num_computed_tokens_cache``,
+    ``_token_to_req_indices_cache``: FlexAttention's query offsets come from the first)."""
+    caches = {
+        name: None
+        for name in ("_num_computed_tokens_cache", "_token_to_req_indices_cache")
+        if hasattr(common, name)
+    }
+    return common.replace(**fields, **caches)
 
 
 # --- the scheduler's KV cache manager (vllm/v1/core/kv_cache_manager.py,
@@ -153,19 +172,23 @@ def limit_prefix_hits(scheduler, limit) -> None:
     manager.get_computed_blocks = get_computed_blocks
 
 
-# --- FlexAttention, the GPU path (vllm/v1/attention/backends/flex_attention.py, and
-# ``AttentionCGSupport`` from vllm/v1/attention/backend.py): probkv.vllm.flex_backend subclasses
-# the backend and its metadata builder and gives the metadata a ``score_mod``. Untested on a GPU.
+# --- FlexAttention (vllm/v1/attention/backends/flex_attention.py, ``AttentionCGSupport`` from
+# vllm/v1/attention/backend.py, the CPU platform's backend choice in vllm/platforms/cpu.py):
+# probkv.vllm.flex_backend subclasses the backend, its metadata builder and its implementation.
+# Run on this CPU only; untested on a GPU.
+
+FLEX = "FLEX_ATTENTION"
 
 
 def flex_attention_classes():
-    """``(FlexAttentionBackend, FlexAttentionMetadataBuilder)``."""
+    """``(FlexAttentionBackend, FlexAttentionMetadataBuilder, FlexAttentionImpl)``."""
     from vllm.v1.attention.backends.flex_attention import (
         FlexAttentionBackend,
+        FlexAttentionImpl,
         FlexAttentionMetadataBuilder,
     )
 
-    return FlexAttentionBackend, FlexAttentionMetadataBuilder
+    return FlexAttentionBackend, FlexAttentionMetadataBuilder, FlexAttentionImpl
 
 
 def no_full_cuda_graphs():
@@ -177,11 +200,83 @@ def no_full_cuda_graphs():
     return AttentionCGSupport.NEVER
 
 
-def set_flex_score_mod(metadata, score_mod_of) -> None:
-    """Give a step's ``FlexAttentionMetadata`` a score_mod: ``score_mod_of(doc_ids)`` gets the
-    request of each packed query row (``metadata.doc_ids``) and returns a function that vLLM's
-    ``get_transformed_score_mod`` calls as ``(score, b, h, logical_q, logical_kv,
-    physical_q=q_idx)``, with ``-inf`` wherever the key is not the request's (a freed block is
-    vLLM's null block 0, which ``physical_to_logical`` marks invalid)."""
-    metadata.score_mod = score_mod_of(metadata.doc_ids)
-    metadata.transformed_score_mod = metadata.get_transformed_score_mod()
+def chosen_backend(vllm_config) -> str | None:
+    """The attention backend the user chose (``attention_config.backend``; None: automatic)."""
+    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    return None if backend is None else backend.name
+
+
+def let_flex_through(platform) -> None:
+    """The CPU platform's ``get_attn_backend_cls`` returns ``CPU_ATTN`` whatever was chosen:
+    wrapped so that an explicit ``FLEX_ATTENTION`` is kept (idempotent)."""
+    original = platform.get_attn_backend_cls
+    if getattr(original, "probkv_flex", False):
+        return
+
+    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
+        if selected_backend is not None and selected_backend.name == FLEX:
+            return selected_backend.get_path()
+        return original.__func__(cls, selected_backend, attn_selector_config, num_heads)
+
+    get_attn_backend_cls.probkv_flex = True
+    platform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+
+
+def flex_cache_halves(kv_cache, head_size: int):
+    """Keys and values of FlexAttention's cache (``[blocks, Hkv, block, 2 d]``, keys then
+    values in the last dimension), each ``[blocks, Hkv, block, d]``: token-major
+    (``probkv.vllm.paged.read_cache``'s ``"token"`` layout)."""
+    return kv_cache[..., :head_size], kv_cache[..., head_size:]
+
+
+def write_flex_cache(key, value, kv_cache, slot_mapping, head_size: int) -> None:
+    """FlexAttention's cache write in torch: vLLM's ``do_kv_cache_update`` calls the CUDA op
+    ``_C_cache_ops.reshape_and_cache_flash``, which vLLM's CPU build lacks. Slot ``s`` is
+    block ``s // block``, offset ``s % block``; negative slots (padding) are skipped."""
+    n = slot_mapping.shape[0]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].to(torch.int64)
+    blocks = torch.div(slots, kv_cache.shape[2], rounding_mode="floor")
+    offsets = slots % kv_cache.shape[2]
+    keys, values = flex_cache_halves(kv_cache, head_size)
+    keys[blocks, :, offsets] = key[:n][valid].to(keys.dtype)
+    values[blocks, :, offsets] = value[:n][valid].to(values.dtype)
+
+
+def widen_flex_block_mask(metadata) -> None:
+    """On the CPU, a step's direct-built block mask (``BlockMask.from_kv_blocks``) rebuilt so
+    that torch's CPU lowering of ``flex_attention`` compiles it: vLLM sizes its ``kv_indices``
+    by the step's longest sequence while the kernel's keys are the whole cache, and the
+    lowering asserts that the mask covers the keys ("KV seqlen must be smaller than the
+    block_mask size"): the indices are widened to every cache block (the added columns lie
+    past each row's ``kv_num_blocks``, never read; the width is the same every step). vLLM
+    passes no full blocks, with which torch's CPU template does not compile
+    ("'full_kv_num_blocks' was not declared"): an empty set of full blocks is given."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    mask = metadata.block_mask
+    if mask is None or not metadata.direct_build or mask.kv_indices.device.type != "cpu":
+        return
+    blocks = metadata.total_cache_tokens // metadata.kv_block_size
+    width = mask.kv_indices.shape[-1]
+    indices = mask.kv_indices
+    if width < blocks:
+        indices = torch.nn.functional.pad(indices, (0, blocks - width), value=0)
+    metadata.block_mask = BlockMask.from_kv_blocks(
+        mask.kv_num_blocks,
+        indices,
+        full_kv_num_blocks=torch.zeros_like(mask.kv_num_blocks),
+        full_kv_indices=torch.zeros_like(indices),
+        BLOCK_SIZE=mask.BLOCK_SIZE,
+        mask_mod=mask.mask_mod,
+        seq_lengths=mask.seq_lengths,
+        compute_q_blocks=False,
+    )
+
+
+def set_flex_score_mod(metadata, score_mod) -> None:
+    """Give a step's ``FlexAttentionMetadata`` a score_mod over the packed query row and the
+    physical cache slot (what vLLM's kernel iterates): it is set as the metadata's
+    ``transformed_score_mod``, the function vLLM's ``FlexAttentionImpl.forward`` hands to
+    ``flex_attention`` (vLLM's own masks still hide other requests' and invalid slots)."""
+    metadata.transformed_score_mod = score_mod

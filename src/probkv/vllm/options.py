@@ -34,6 +34,7 @@ ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "
 WORKER = "probkv.vllm.worker.ProbKVWorker"
 SCHEDULER = "probkv.vllm.scheduler.ProbKVScheduler"
 DEFAULT_WORKER = "vllm.v1.worker.cpu_worker.CPUWorker"  # what the CPU platform sets for "auto"
+GPU_WORKERS = ("vllm.v1.worker.gpu_worker.Worker", "probkv.vllm.gpu_worker.ProbKVGPUWorker")
 SCOPE_NAME = "scope"
 THRESHOLD_NAME = "threshold"  # KVzap's threshold mode (S11): evicts at ratio 0 too
 KVZAP = "kvzap"  # the surrogate score (S11): its policy needs the model's scorer
@@ -367,7 +368,7 @@ def _engine_problems(config):
         yield f"pipeline_parallel_size={parallel.pipeline_parallel_size}: only 1 is supported"
     if str(getattr(cache, "cache_dtype", "auto")) != "auto":
         yield f"kv_cache_dtype={cache.cache_dtype!r}: only 'auto' (the model's dtype)"
-    if parallel.worker_cls not in ("auto", DEFAULT_WORKER, WORKER):
+    if parallel.worker_cls not in ("auto", DEFAULT_WORKER, WORKER, *GPU_WORKERS):
         yield f"worker_cls={parallel.worker_cls!r}: probkv sets its own ({WORKER})"
     scheduler = config.scheduler_config.scheduler_cls
     if scheduler not in (None, SCHEDULER):

