@@ -13,6 +13,7 @@ output carries, per request, the logical blocks the scheduler frees
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -91,6 +92,9 @@ class WorkerEviction:
         chosen = opts.request_eviction(getattr(sampling_params, "extra_args", None), self.engine)
         method, ratio = chosen.method, chosen.ratio
         limit = budget.request_budget(chosen, self.block_size)
+        max_tokens = getattr(sampling_params, "max_tokens", None)
+        if opts.frees_nothing(prompt_length, max_tokens, self.block_size, limit is not None):
+            return  # not observed: its eviction would change nothing
         if limit is not None:  # stage 1: the prompt evicted down to B (probkv.vllm.budget)
             ratio = limit.prompt_ratio(prompt_length)
         policy = opts.policy_for(
@@ -235,7 +239,11 @@ class WorkerEviction:
             budget.after_forward(self.stages, self.requests, self.pending, gather)
 
     def attach(self, output):
+        """``output`` with this step's evictions, as a copy: vLLM hands out shared objects
+        (``EMPTY_MODEL_RUNNER_OUTPUT``), which must never carry one request's freed blocks
+        into every later step that returns them."""
         if self.pending and isinstance(output, ModelRunnerOutput):
+            output = copy.copy(output)
             setattr(output, OUTPUT_FIELD, dict(self.pending))
             self.pending.clear()
         return output
