@@ -161,3 +161,49 @@ def test_a_prob_request_shares_no_block_through_the_prefix_cache(small_engine, t
         assert again == first
         assert (outs[0].num_cached_tokens > 0) == shared, method
     assert_every_block_back(llm)
+
+
+def sampled(llm, prompts, seeds, new_tokens, *, n=1, method="snapkv"):
+    params = [
+        vllm.SamplingParams(
+            temperature=0.8,
+            top_p=0.95,
+            seed=seed,
+            n=n,
+            max_tokens=new_tokens,
+            ignore_eos=True,
+            extra_args=request_options(method, 0.5),
+        )
+        for seed in seeds
+    ]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [[list(c.token_ids) for c in o.outputs] for o in outs]
+
+
+def test_seeded_requests_under_chunked_prefill_get_their_tokens_alone(small_engine, tokenizer):
+    """Prompts over a prefill chunk (256 rows): vLLM 0.32 rewound the seeded generator of a
+    request whose chunk ended before its prompt, which a CPU generator refuses ("CPU Generator
+    does not use offset"): the engine died. Together (other chunk boundaries, preempted) each
+    gets what it gets alone."""
+    llm = small_engine
+    prompts = [tokenizer(text(40 + i, 500)).input_ids[:600] for i in range(4)]
+    alone = [sampled(llm, [p], [i], 40)[0] for i, p in enumerate(prompts)]
+    together = sampled(llm, prompts, range(4), 40)
+    assert together == alone
+    assert len({tuple(a[0]) for a in alone}) == 4
+    assert_every_block_back(llm)
+
+
+@pytest.mark.parametrize("method", ["snapkv", "prob:snapkv"])
+def test_n_2_gives_the_tokens_of_two_requests_seeded_s_and_s_plus_1(
+    small_engine, tokenizer, method
+):
+    """vLLM seeds child i of a parallel request with seed + i (vllm/v1/engine/
+    parallel_sampling.py); each child prefills and evicts apart."""
+    llm = small_engine
+    prompt = tokenizer(text(50, 300)).input_ids[:330]
+    [pair] = sampled(llm, [prompt], [7], 24, n=2, method=method)
+    singles = sampled(llm, [prompt, prompt], [7, 8], 24, method=method)
+    assert pair == [singles[0][0], singles[1][0]]
+    assert pair[0] != pair[1]
+    assert_every_block_back(llm)

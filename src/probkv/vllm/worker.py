@@ -319,5 +319,6 @@ class ProbKVWorker(CPUWorker):
         return state.attach(output)
 
     def sample_tokens(self, grammar_output):
-        output = super().sample_tokens(grammar_output)
+        with internals.no_draws_for_discarded_samples(self.model_runner):  # seeded + chunked
+            output = super().sample_tokens(grammar_output)
         return output if self._probkv is None else self._probkv.attach(output)
