@@ -340,7 +340,7 @@ def post_checks(args, traffic: Traffic, process: subprocess.Popen) -> dict:
     base = traffic.base
     settle = time.monotonic() + 60  # closed streams are aborted on the server's next steps
     while True:
-        status, metrics = get(f"{base}/metrics")
+        _, metrics = get(f"{base}/metrics")
         busy = [metric(metrics, f"vllm:num_requests_{s}") for s in ("running", "waiting")]
         usage = metric(metrics, "vllm:kv_cache_usage_perc")
         if (busy == [0, 0] and usage == 0) or time.monotonic() > settle:
