@@ -88,6 +88,7 @@ def parse_args(argv=None):
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--max-num-batched-tokens", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=48, help="new tokens of a good request")
+    ap.add_argument("--seeded-prompts", type=int, default=3, help="each with 2x as many seeds")
     ap.add_argument("--min-per-kind", type=int, default=1)
     ap.add_argument("--min-preemptions", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
@@ -173,7 +174,7 @@ class Traffic:
         self.failures: list[str] = []
         ids = lambda s: tokenizer(s).input_ids  # noqa: E731
         self.probe_prompt = ids(text(3, 500))[:600]
-        self.seeded_prompts = [ids(text(10 + i, 500))[:700] for i in range(3)]
+        self.seeded_prompts = [ids(text(10 + i, 500))[:700] for i in range(args.seeded_prompts)]
         self.document = ids(text(21, 500))[:512]
         self.questions = [ids(f" Question {i}: which word came first?") for i in range(40)]
         self.too_long = ids(text(5, 1500))[: args.max_model_len + 64]
@@ -252,7 +253,8 @@ class Traffic:
         return self.expect(got, want, f"n=2 prompt {i} seeds {seed}, {seed + 1}")
 
     def kind_unseeded(self, n: int) -> str | None:
-        got = self.answers(self.seeded_prompts[n % 3], xargs=PROBES["topk"], **SAMPLED)
+        prompt = self.seeded_prompts[n % len(self.seeded_prompts)]
+        got = self.answers(prompt, xargs=PROBES["topk"], **SAMPLED)
         return None if got and got[0] else "not answered"
 
     def kind_logprobs(self, n: int) -> str | None:
