@@ -345,3 +345,10 @@ def test_an_observation_is_skipped_only_where_eviction_changes_nothing(
     t, max_tokens, budget, skipped
 ):
     assert frees_nothing(t, max_tokens, 32, budget) is skipped
+
+
+def test_prompt_embeds_are_refused_by_name():
+    hf = SimpleNamespace(architectures=["LlamaForCausalLM"], sliding_window=None)
+    model = SimpleNamespace(hf_config=hf, enable_prompt_embeds=True)
+    with pytest.raises(ValueError, match="enable_prompt_embeds=True"):
+        check_engine(config(model_config=model))

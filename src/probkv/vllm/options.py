@@ -400,6 +400,11 @@ def _engine_problems(config):
             f"runner {runner!r}: probkv evicts for text generation only (a pooling request "
             "has no sampling parameters to carry its options); use runner='generate'"
         )
+    if getattr(config.model_config, "enable_prompt_embeds", False):
+        yield (
+            "enable_prompt_embeds=True: a prompt given as embeddings has no token ids, and the "
+            "worker sizes each request's eviction by its prompt's ids; start without it"
+        )
     yield from model_problems(config.model_config.hf_config)
 
 
