@@ -12,10 +12,13 @@ from probkv.scores.surrogate import shipped_scorers
 from probkv.vllm import engine_options, request_options
 from probkv.vllm.options import (
     DEFAULT_WORKER,
+    V2_RUNNER_ENV,
     EngineEviction,
     check_engine,
     check_request,
     check_version,
+    frees_nothing,
+    kv_group_problems,
     policy_for,
     read_options,
     request_eviction,
@@ -300,3 +303,52 @@ def test_the_admission_check_reads_the_engines_model_and_ranks():
         check_request(flat, ENGINE, 32, other)
     with pytest.raises(ValueError, match="tensor_parallel_size=9"):
         check_request(flat, ENGINE, 32, smollm2_config(), 9)
+
+
+@pytest.mark.parametrize("value", ["1", "true", "True"])
+def test_vllms_v2_model_runner_is_refused_by_name(monkeypatch, value):
+    monkeypatch.setenv(V2_RUNNER_ENV, value)
+    with pytest.raises(ValueError, match=f"{V2_RUNNER_ENV}={value}: vLLM's V2 model runner"):
+        check_engine(config())
+    monkeypatch.setenv(V2_RUNNER_ENV, "0")
+    assert check_engine(config()) is not None
+
+
+def test_a_pooling_runner_is_refused_by_name_on_a_listed_architecture():
+    hf = SimpleNamespace(architectures=["LlamaForCausalLM"], sliding_window=None)
+    model = SimpleNamespace(hf_config=hf, runner_type="pooling")
+    with pytest.raises(ValueError, match="runner 'pooling'"):
+        check_engine(config(model_config=model))
+    assert check_engine(config(model_config=SimpleNamespace(hf_config=hf, runner_type="generate")))
+
+
+def test_kv_caches_of_several_groups_are_refused_by_name():
+    assert not list(kv_group_problems(SimpleNamespace(kv_cache_groups=[object()])))
+    [problem] = kv_group_problems(SimpleNamespace(kv_cache_groups=[object(), object()]))
+    assert "2 KV cache groups" in problem
+
+
+@pytest.mark.parametrize(
+    ("t", "max_tokens", "budget", "skipped"),
+    [
+        (32, 16, False, True),  # one block: always kept
+        (33, 16, False, False),  # block 0 can be freed (tova, knorm, streaming_llm)
+        (33, 16, True, False),
+        (32, 16, True, False),  # a budget's stages evict what the request generates
+        (900, 1, False, True),  # the one token comes from the prefill
+        (900, 1, True, True),
+        (900, 0, False, True),
+        (900, None, False, False),
+    ],
+)
+def test_an_observation_is_skipped_only_where_eviction_changes_nothing(
+    t, max_tokens, budget, skipped
+):
+    assert frees_nothing(t, max_tokens, 32, budget) is skipped
+
+
+def test_prompt_embeds_are_refused_by_name():
+    hf = SimpleNamespace(architectures=["LlamaForCausalLM"], sliding_window=None)
+    model = SimpleNamespace(hf_config=hf, enable_prompt_embeds=True)
+    with pytest.raises(ValueError, match="enable_prompt_embeds=True"):
+        check_engine(config(model_config=model))

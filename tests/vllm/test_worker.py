@@ -1,11 +1,17 @@
 """probkv.vllm.worker's step output: the blocks to free reach the scheduler on a copy of vLLM's
 output (never on a shared object such as ``EMPTY_MODEL_RUNNER_OUTPUT``), and under async
-scheduling through what ``AsyncModelRunnerOutput.get_output`` returns. vLLM's CPU platform
-turns async scheduling off, so no engine here runs it: these are the worker's own objects."""
+scheduling through what ``AsyncModelRunnerOutput.get_output`` returns (vLLM's CPU platform
+turns async scheduling off, so no engine here runs it: these are the worker's own objects);
+and the seeded requests whose sample vLLM discards draw nothing from their own generator
+(probkv.vllm.internals.no_draws_for_discarded_samples)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import numpy as np
 import pytest
+import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: make test-vllm runs it")
 
@@ -15,6 +21,7 @@ from vllm.v1.outputs import (
     ModelRunnerOutput,
 )
 
+from probkv.vllm import internals
 from probkv.vllm.options import EngineEviction
 from probkv.vllm.worker import OUTPUT_FIELD, WorkerEviction
 
@@ -57,3 +64,19 @@ def test_async_outputs_carry_the_freed_blocks_to_get_output():
 def test_no_output_yet_keeps_the_list_for_the_next_one():
     state = state_with_pending()
     assert state.attach(None) is None and state.pending == FREED
+
+
+def test_a_discarded_sample_draws_nothing_from_its_requests_generator():
+    generators = {i: torch.Generator().manual_seed(i) for i in range(3)}
+    batch = SimpleNamespace(num_reqs=3, generators=dict(generators))
+    runner = SimpleNamespace(
+        input_batch=batch, discard_request_mask=SimpleNamespace(np=np.array([0, 1, 0, 1]))
+    )
+    states = {i: g.get_state() for i, g in generators.items()}
+    with internals.no_draws_for_discarded_samples(runner):
+        assert set(batch.generators) == {0, 2}  # row 1's chunk ends before its prompt
+        for g in batch.generators.values():
+            torch.rand(4, generator=g)
+    assert batch.generators == generators  # the same objects, back at their rows
+    assert torch.equal(generators[1].get_state(), states[1])
+    assert not torch.equal(generators[0].get_state(), states[0])

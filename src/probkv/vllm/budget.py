@@ -1,5 +1,6 @@
 """A decode budget inside vLLM: a request holds at most ``B + K`` positions (plus one partial
-block) for any number of new tokens (S10.5, S12).
+block) however many new tokens it generates up to the engine's ``max_model_len`` (vLLM's bound
+on prompt plus output; S10.5, S12), while it is not recomputed after a preemption.
 
 The option is the transformers integration's (``ProbKVCache(max_entries=B, every=K)``):
 ``max_entries`` B in positions, ``every`` K new tokens between stages (default: one block);

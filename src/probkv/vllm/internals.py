@@ -12,7 +12,9 @@ overrides two private methods of vLLM's ``Scheduler`` (vllm/v1/core/sched/schedu
 from __future__ import annotations
 
 import hashlib
+from contextlib import contextmanager
 
+import numpy as np
 import torch
 
 #: The vLLM version these names were read from (``probkv.vllm.options.TESTED_VLLM``).
@@ -68,6 +70,24 @@ def batch_request_ids(runner) -> list[str]:
     """The request of each row of the runner's current batch, in the order of the step's
     attention metadata (``runner.input_batch.req_ids``)."""
     return runner.input_batch.req_ids
+
+
+@contextmanager
+def no_draws_for_discarded_samples(runner):
+    """Inside: the seeded requests of the runner's step whose token vLLM discards (a prefill
+    chunk that ends before the prompt does: ``runner.discard_request_mask``) sample from the
+    global generator, not their own, and get theirs back after. vLLM instead rewinds their
+    generator afterwards (``gen.set_offset(gen.get_offset() - 4)`` in
+    ``GPUModelRunner._bookkeeping_sync``), which a CPU generator refuses ("CPU Generator does
+    not use offset"): the engine core died. Either way a seeded request draws from its own
+    generator for its kept tokens only, so it gets the tokens it gets alone."""
+    batch = runner.input_batch
+    rows = np.nonzero(runner.discard_request_mask.np[: batch.num_reqs])[0]
+    held = {int(i): batch.generators.pop(int(i)) for i in rows if int(i) in batch.generators}
+    try:
+        yield
+    finally:
+        batch.generators.update(held)
 
 
 def attention_layers(vllm_config) -> dict:

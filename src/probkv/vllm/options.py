@@ -15,6 +15,7 @@ Python on vLLM's config objects, read by attribute; nothing is imported from vLL
 from __future__ import annotations
 
 import numbers
+import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -35,6 +36,7 @@ WORKER = "probkv.vllm.worker.ProbKVWorker"
 SCHEDULER = "probkv.vllm.scheduler.ProbKVScheduler"
 DEFAULT_WORKER = "vllm.v1.worker.cpu_worker.CPUWorker"  # what the CPU platform sets for "auto"
 GPU_WORKERS = ("vllm.v1.worker.gpu_worker.Worker", "probkv.vllm.gpu_worker.ProbKVGPUWorker")
+V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"  # vLLM's switch to its V2 model runner
 SCOPE_NAME = "scope"
 THRESHOLD_NAME = "threshold"  # KVzap's threshold mode (S11): evicts at ratio 0 too
 KVZAP = "kvzap"  # the surrogate score (S11): its policy needs the model's scorer
@@ -66,6 +68,19 @@ class EngineEviction:
 def weighted(method: str, ratio: float) -> bool:
     """Whether ``method`` (a checked name) samples with log-weights (a ``prob:`` method)."""
     return isinstance(parse_method(method.split("/")[0], ratio), ProbabilisticPolicy)
+
+
+def frees_nothing(
+    prompt_length: int, max_tokens: int | None, block_size: int, budget: bool = False
+) -> bool:
+    """Whether a request's eviction can change nothing, so its observation is skipped:
+    ``max_tokens <= 1`` (its one token comes from the prefill, before any eviction), or, without
+    a decode budget (whose later stages evict what the request generates), a prompt of at most
+    one block (the last block is always kept, and a kept block's log-weights are 0). A prompt
+    of two blocks less one position can free its first block (``tova``, ``knorm``, ...)."""
+    if max_tokens is not None and max_tokens <= 1:
+        return True
+    return not budget and prompt_length <= block_size
 
 
 def check_version(version: str) -> None:
@@ -375,7 +390,35 @@ def _engine_problems(config):
         yield f"scheduler_cls={scheduler!r}: probkv sets its own ({SCHEDULER})"
     if getattr(config.scheduler_config, "async_scheduling", False):
         yield "async_scheduling=True: not supported (start vLLM without --async-scheduling)"
+    if os.environ.get(V2_RUNNER_ENV, "0").strip().lower() not in ("", "0", "false"):
+        yield (
+            f"{V2_RUNNER_ENV}={os.environ[V2_RUNNER_ENV]}: vLLM's V2 model runner has no "
+            "input batch probkv reads and sends resumed requests as new ones; unset it"
+        )
+    runner = getattr(config.model_config, "runner_type", "generate")
+    if runner != "generate":
+        yield (
+            f"runner {runner!r}: probkv evicts for text generation only (a pooling request "
+            "has no sampling parameters to carry its options); use runner='generate'"
+        )
+    if getattr(config.model_config, "enable_prompt_embeds", False):
+        yield (
+            "enable_prompt_embeds=True: a prompt given as embeddings has no token ids, and the "
+            "worker sizes each request's eviction by its prompt's ids; start without it"
+        )
     yield from model_problems(config.model_config.hf_config)
+
+
+def kv_group_problems(kv_cache_config) -> Iterator[str]:
+    """What the plugin cannot evict in, from the engine's KV cache layout (vLLM's
+    ``KVCacheConfig``, known once the workers measured memory): several KV cache groups
+    (hybrid models: a block's logical index means another position in each group)."""
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
+    if len(groups) > 1:
+        yield (
+            f"{len(groups)} KV cache groups: probkv frees one block list per request; models "
+            "whose layers keep several (hybrid or mixed attention) are not supported yet"
+        )
 
 
 def model_problems(hf) -> Iterator[str]:

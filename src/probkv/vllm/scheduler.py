@@ -48,6 +48,9 @@ class ProbKVScheduler(Scheduler):
     def __init__(self, vllm_config, *args, **kwargs) -> None:
         super().__init__(vllm_config, *args, **kwargs)
         self.probkv = opts.check_engine(vllm_config)
+        problems = list(opts.kv_group_problems(self.kv_cache_config)) if self.probkv else []
+        if problems:
+            raise ValueError("probkv eviction in vLLM: " + "; ".join(problems))
         self.probkv_model = vllm_config.model_config.hf_config
         self.probkv_evicted: dict[str, dict] = {}  # req_id -> what its eviction freed
         self.probkv_recomputing: set[str] = set()  # evicted, preempted, not yet past the prompt
@@ -60,6 +63,13 @@ class ProbKVScheduler(Scheduler):
         if self.probkv is None or request.request_id in self.probkv_evicted:
             return None  # not evicting, or the kept set is known: the prompt needs no observing
         chosen = opts.request_eviction(request.sampling_params.extra_args, self.probkv)
+        if opts.frees_nothing(
+            request.num_prompt_tokens,
+            request.sampling_params.max_tokens,
+            self.block_size,
+            chosen.max_entries is not None,
+        ):
+            return None  # not observed (ProbKVWorker.start)
         ratio = chosen.ratio
         if chosen.max_entries is not None:  # a decode budget observes its prompt at stage 1,
             ratio = 0.5  # at the budget's ratio; the rows it reads depend on the score alone

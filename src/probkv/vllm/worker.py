@@ -99,6 +99,9 @@ class WorkerEviction:
         chosen = opts.request_eviction(getattr(sampling_params, "extra_args", None), self.engine)
         method, ratio = chosen.method, chosen.ratio
         limit = budget.request_budget(chosen, self.block_size)
+        max_tokens = getattr(sampling_params, "max_tokens", None)
+        if opts.frees_nothing(prompt_length, max_tokens, self.block_size, limit is not None):
+            return  # not observed: its eviction would change nothing
         if limit is not None:  # stage 1: the prompt evicted down to B (probkv.vllm.budget)
             ratio = limit.prompt_ratio(prompt_length)
         policy = opts.policy_for(
@@ -359,7 +362,8 @@ class EvictingWorker:
         return state.attach(output)
 
     def sample_tokens(self, grammar_output):
-        output = super().sample_tokens(grammar_output)
+        with internals.no_draws_for_discarded_samples(self.model_runner):  # seeded + chunked
+            output = super().sample_tokens(grammar_output)
         return output if self._probkv is None else self._probkv.attach(output)
 
 
