@@ -20,7 +20,7 @@ from vllm.v1.sample.logits_processor import (
     validate_logits_processors_parameters,
 )
 
-from probkv.vllm import request_options
+from probkv.vllm import admission, request_options
 from probkv.vllm.admission import AdmissionCheck, install
 from probkv.vllm.options import EngineEviction
 
@@ -82,3 +82,16 @@ def test_as_a_logits_processor_it_changes_nothing():
     assert processor.apply(logits) is logits
     assert processor.is_argmax_invariant()
     processor.update_state(None)
+
+
+def test_a_resumable_request_is_refused_where_vllm_builds_it_for_evicting_engines_only():
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    evicting, plain = config(), config([MinPLogitsProcessor])
+    install(evicting, ENGINE)  # wraps InputProcessor.process_inputs (once per process)
+    assert admission.evicting(evicting) and not admission.evicting(plain)
+    processor = SimpleNamespace(vllm_config=evicting)
+    with pytest.raises(VLLMValidationError, match="does not serve streaming-input sessions"):
+        InputProcessor.process_inputs(
+            processor, "r", {"prompt_token_ids": [1]}, SamplingParams(), (), resumable=True
+        )
