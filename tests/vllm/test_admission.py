@@ -4,6 +4,7 @@ the real server and ``LLM.generate`` are in test_serve.py and test_plugin.py).""
 
 from __future__ import annotations
 
+import asyncio
 import pickle
 from multiprocessing.reduction import ForkingPickler
 from types import SimpleNamespace
@@ -20,7 +21,7 @@ from vllm.v1.sample.logits_processor import (
     validate_logits_processors_parameters,
 )
 
-from probkv.vllm import request_options
+from probkv.vllm import admission, request_options
 from probkv.vllm.admission import AdmissionCheck, install
 from probkv.vllm.options import EngineEviction
 
@@ -82,3 +83,57 @@ def test_as_a_logits_processor_it_changes_nothing():
     assert processor.apply(logits) is logits
     assert processor.is_argmax_invariant()
     processor.update_state(None)
+
+
+def test_a_resumable_request_is_refused_where_vllm_builds_it_for_evicting_engines_only():
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    evicting, plain = config(), config([MinPLogitsProcessor])
+    install(evicting, ENGINE)  # wraps InputProcessor.process_inputs (once per process)
+    assert admission.evicting(evicting) and not admission.evicting(plain)
+    processor = SimpleNamespace(vllm_config=evicting)
+    with pytest.raises(VLLMValidationError, match="does not serve streaming-input sessions"):
+        InputProcessor.process_inputs(
+            processor, "r", {"prompt_token_ids": [1]}, SamplingParams(), (), resumable=True
+        )
+
+
+@pytest.mark.slow
+def test_a_streaming_input_session_is_refused_by_name_and_the_engine_serves_on():
+    """vLLM 0.32's streaming-input session (``AsyncLLM.generate`` with an input stream) on an
+    evicting engine: that session's caller gets the refusal, the engine core lives on and
+    answers the next request."""
+    from vllm import AsyncEngineArgs
+    from vllm.engine.protocol import StreamingInput
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from probkv.models import resolve_model
+    from probkv.vllm import engine_options
+
+    args = AsyncEngineArgs(
+        model=str(resolve_model("smollm2-135m").path),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=256,
+        kv_cache_memory_bytes=16 * 30 * 3 * 64 * 2 * 4 * 32,  # 16 blocks of SmolLM2, f32
+        **engine_options("snapkv", 0.5),
+    )
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    async def session():
+        yield StreamingInput(prompt={"prompt_token_ids": list(range(100, 180))})
+
+    async def run():
+        llm = AsyncLLM.from_engine_args(args)
+        try:
+            with pytest.raises(VLLMValidationError, match="does not serve streaming-input"):
+                async for _ in llm.generate(session(), greedy, request_id="session"):
+                    pass
+            prompt = {"prompt_token_ids": list(range(100, 180))}
+            outs = [o async for o in llm.generate(prompt, greedy, request_id="after")]
+            assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 4
+            assert not llm.errored
+        finally:
+            llm.shutdown()
+
+    asyncio.run(run())

