@@ -82,6 +82,32 @@ def test_the_long_output_shape_runs_a_budget_against_c_and_memory_for_all(
         bench.parse_args(["--shape", "long-output", "--max-entries", "16"])
 
 
+def test_the_attention_backend_reaches_every_server_and_is_read_back(load_benchmark, tmp_path):
+    bench = load_benchmark("bench_serve")
+    config = {"num_attention_heads": 9, "hidden_size": 576, "num_hidden_layers": 30}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for backend in (None, "FLEX_ATTENTION"):
+        argv = ["--shape", "long", "--methods", "snapkv", "--ratios", "0.5"]
+        args = bench.parse_args(argv + (["--attention-backend", backend] if backend else []))
+        for cfg in bench.configurations(args, 72):  # plain ones too: the same server flags
+            command = bench.server_command(args, tmp_path, 1, cfg, tmp_path / "r.jsonl")
+            assert "--no-async-scheduling" in command  # probkv refuses vLLM's GPU default
+            if backend is None:
+                assert "--attention-backend" not in command
+            else:
+                assert command[command.index("--attention-backend") + 1] == backend
+    assert bench.backend_ran("", [{"attention_backend": "FLEX_ATTENTION"}]) == "FLEX_ATTENTION"
+    cpu_log = "INFO [cpu.py:178] Cannot use AttentionBackendEnum.FLEX_ATTENTION backend on CPU.\n"
+    assert bench.backend_ran(cpu_log, []) == "CPU_ATTN"  # the CPU platform's silent fallback
+    chosen = "INFO [cuda.py:446] Using AttentionBackendEnum.FLEX_ATTENTION backend.\n"
+    assert bench.backend_ran(chosen, []) == "FLEX_ATTENTION"  # vLLM's CUDA platform, chosen
+    automatic = "INFO Using FLASH_ATTN attention backend out of potential backends: [...].\n"
+    assert bench.backend_ran(automatic, []) == "FLASH_ATTN"
+    assert bench.backend_ran("INFO nothing said\n", []) is None
+    with pytest.raises(ValueError, match=r"--attention-backend takes .* got 'flex'"):
+        bench.parse_args(["--attention-backend", "flex"])
+
+
 def test_bad_configs_are_refused(load_benchmark):
     with pytest.raises(ValueError, match=r"--configs takes plain, ideal, evict; got \['x'\]"):
         load_benchmark("bench_serve").parse_args(["--configs", "plain,x"])
@@ -112,6 +138,7 @@ def test_tiny_run_through_vllms_server_and_client(load_benchmark, tmp_path, caps
         assert row["mean_prompt_tokens"] == 64
     assert [rows[n]["num_gpu_blocks"] for n in rows] == [13, 25, 13]
     assert rows["snapkv r=0.5"]["evicted_requests"] == 2  # one row per request in the report
+    assert rows["snapkv r=0.5"]["attention_backend"] == "CPU_ATTN"  # the report's rows say
     assert rows["snapkv r=0.5"]["mean_freed_blocks"] > 0
     assert rows["plain C"]["evicted_requests"] == 0
     assert len(data["ratios"]) == 3
