@@ -1,6 +1,6 @@
 """benchmarks/bench_serve.py: its ratio lines and cap arithmetic on made-up rows (anywhere), and
 a tiny run end to end through vLLM's OpenAI-compatible server and vLLM's serving benchmark:
-2 prompts of 64 tokens, 4 new tokens, plain vLLM under C and C / (1 - r) and snapkv r = 0.5
+2 prompts of 128 tokens, 4 new tokens, plain vLLM under C and C / (1 - r) and snapkv r = 0.5
 (no timing is checked: speed is read from the benchmark's own output)."""
 
 from __future__ import annotations
@@ -119,11 +119,13 @@ def test_bad_configs_are_refused(load_benchmark):
     reason="vLLM is not installed here: run it in .venv-vllm",
 )
 def test_tiny_run_through_vllms_server_and_client(load_benchmark, tmp_path, capsys):
-    argv = ["--shape", "short", "--input-len", "64", "--output-len", "4", "--num-prompts", "2"]
+    # 128 prompt tokens: 4 blocks, of which the sinks' block and the prompt's last are kept by
+    # rule (issue 55), so r = 0.5 has blocks to free (64 tokens had none: 2 blocks, both kept)
+    argv = ["--shape", "short", "--input-len", "128", "--output-len", "4", "--num-prompts", "2"]
     argv += ["--methods", "snapkv", "--ratios", "0.5", "--out", str(tmp_path / "serve.json")]
     assert load_benchmark("bench_serve").main(argv) == 0
     out = capsys.readouterr().out
-    assert "4 full requests of 3 blocks, exactly n" in out  # C = 4 x ceil(68 / 32) blocks
+    assert "4 full requests of 5 blocks, exactly n" in out  # C = 4 x ceil(132 / 32) blocks
     for pair in ("plain C/(1-0.5) / plain C", "snapkv r=0.5 / plain C",
                  "snapkv r=0.5 / plain C/(1-0.5)"):  # fmt: skip
         assert re.search(
@@ -135,8 +137,8 @@ def test_tiny_run_through_vllms_server_and_client(load_benchmark, tmp_path, caps
     for row in rows.values():
         assert row["error"] is None and row["completed"] == 2 and row["failed"] == 0
         assert row["req_s"] > 0 and row["median_ttft_ms"] > 0 and row["median_tpot_ms"] > 0
-        assert row["mean_prompt_tokens"] == 64
-    assert [rows[n]["num_gpu_blocks"] for n in rows] == [13, 25, 13]
+        assert row["mean_prompt_tokens"] == 128
+    assert [rows[n]["num_gpu_blocks"] for n in rows] == [21, 41, 21]
     assert rows["snapkv r=0.5"]["evicted_requests"] == 2  # one row per request in the report
     assert rows["snapkv r=0.5"]["attention_backend"] == "CPU_ATTN"  # the report's rows say
     assert rows["snapkv r=0.5"]["mean_freed_blocks"] > 0

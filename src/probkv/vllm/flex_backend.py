@@ -49,11 +49,7 @@ class ProbKVFlexMetadataBuilder(_FlexBuilder):
             common_attn_metadata = state.compact_metadata(common_attn_metadata)
         out = super().build(common_prefix_len, common_attn_metadata, fast_build)
         internals.widen_flex_block_mask(out)  # torch's CPU lowering needs every cache block
-        if state is None:
-            return out
-        # On the CPU a top-k engine gets the slot score_mod too (every weight 0): torch's CPU
-        # template without a score_mod did not compile (``'cur_qSplitSize1' was not declared``)
-        if not state.engine.weighted and self.device.type != "cpu":
+        if state is None or not state.engine.weighted:
             return out
         if self._weights is None:
             self._weights = SlotLogWeights(
