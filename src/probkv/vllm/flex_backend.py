@@ -49,7 +49,11 @@ class ProbKVFlexMetadataBuilder(_FlexBuilder):
             common_attn_metadata = state.compact_metadata(common_attn_metadata)
         out = super().build(common_prefix_len, common_attn_metadata, fast_build)
         internals.widen_flex_block_mask(out)  # torch's CPU lowering needs every cache block
-        if state is None or not state.engine.weighted:
+        if state is None:
+            return out
+        # On the CPU a top-k engine gets the slot score_mod too (every weight 0): the path the
+        # prob: engines compile (docs/vllm.md: torch's CPU flex code failing to build)
+        if not state.engine.weighted and self.device.type != "cpu":
             return out
         if self._weights is None:
             self._weights = SlotLogWeights(
