@@ -258,6 +258,10 @@ def test_compiled_kernel_traces_the_mods(device):
     lengths = [128, 80]
     both = and_masks(causal(lengths, 16, device), mask_mod(tables))
     mask = create_block_mask(both, 2, None, 16, 128, device)
+    # fresh: after an engine through FLEX_ATTENTION in this process (test_budget_engine's,
+    # test_pressure's), torch's CPU code for the shapes it marked dynamic fails to build
+    # ("'cur_qSplitSize1' was not declared")
+    torch._dynamo.reset()
     compiled = torch.compile(flex_attention, fullgraph=True)
     out = compiled(
         q, k, v, score_mod=score_mod(tables), block_mask=mask, scale=SCALE, enable_gqa=True
@@ -420,7 +424,7 @@ def test_flex_backend_uses_probkvs_builder_and_refuses_full_cuda_graphs():
     replay its capture step's tables); ``register_flex_backend`` points FLEX_ATTENTION at it."""
     pytest.importorskip("vllm", reason="vLLM is not installed here: make test-vllm runs it")
     from vllm.v1.attention.backend import AttentionCGSupport
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     from probkv.vllm import flex_backend
 
@@ -428,9 +432,13 @@ def test_flex_backend_uses_probkvs_builder_and_refuses_full_cuda_graphs():
     assert builder is flex_backend.ProbKVFlexMetadataBuilder
     assert builder.get_cudagraph_support(None, None) == AttentionCGSupport.NEVER
     flex = AttentionBackendEnum.FLEX_ATTENTION
-    assert not flex.is_overridden()
+    earlier = flex.get_path() if flex.is_overridden() else None  # an earlier FLEX engine's
+    flex.clear_override()
+    assert flex.get_path() == flex.value  # vLLM's own backend, not probkv's
     try:
         flex_backend.register_flex_backend()
         assert flex.get_class() is flex_backend.ProbKVFlexBackend
     finally:
         flex.clear_override()
+        if earlier is not None:
+            register_backend(flex, earlier)
