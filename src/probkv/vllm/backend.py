@@ -21,7 +21,7 @@ from probkv.vllm import (
     internals,
     worker,  # the worker module holds the process's eviction state
 )
-from probkv.vllm.paged import LAYER_INDEX, cache_layout
+from probkv.vllm.paged import cache_layout, layer_index
 from probkv.vllm.weights import (
     padded_entries,
     padded_queries,
@@ -72,11 +72,8 @@ class ProbKVCPUAttentionImpl(CPUAttentionBackendImpl):
                                    notes, halves[0], layout[0], width, *args, **kw)  # fmt: skip
         if not notes.work:
             return output
-        match = LAYER_INDEX.search(layer.layer_name)
-        if match is None:
-            raise RuntimeError(f"probkv: cannot read a layer index from {layer.layer_name!r}")
         state.attend(
-            layer=int(match.group(1)),
+            layer=layer_index(layer.layer_name),
             query=query,
             caches=halves,
             layout=layout,

@@ -26,7 +26,7 @@ from vllm.v1.attention.backend import AttentionType
 
 from probkv.vllm import internals, worker
 from probkv.vllm.flex import SlotLogWeights
-from probkv.vllm.paged import LAYER_INDEX
+from probkv.vllm.paged import layer_index
 
 _FlexBackend, _FlexBuilder, _FlexImpl = internals.flex_attention_classes()
 TOKEN_LAYOUT = ("token", "token")  # probkv.vllm.paged.read_cache's layout of both halves
@@ -83,11 +83,8 @@ class ProbKVFlexAttentionImpl(_FlexImpl):
             return out
         if self.attn_type != AttentionType.DECODER:
             return out
-        match = LAYER_INDEX.search(layer.layer_name)
-        if match is None:
-            raise RuntimeError(f"probkv: cannot read a layer index from {layer.layer_name!r}")
         state.attend(
-            layer=int(match.group(1)),
+            layer=layer_index(layer.layer_name),
             query=query,
             caches=internals.flex_cache_halves(kv_cache, self.head_size),
             layout=TOKEN_LAYOUT,

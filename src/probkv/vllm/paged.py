@@ -18,6 +18,14 @@ from probkv.vllm import internals
 LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
 
 
+def layer_index(layer_name: str) -> int:
+    """The decoder layer's index in a vLLM attention layer's name (``model.layers.3.self_attn.attn``)."""
+    match = LAYER_INDEX.search(layer_name)
+    if match is None:
+        raise RuntimeError(f"probkv: cannot read a layer index from {layer_name!r}")
+    return int(match.group(1))
+
+
 @functools.cache
 def cache_layout(isa: str, block_size: int, head_size: int, dtype: torch.dtype) -> tuple[str, str]:
     """``(keys, values)``, each ``"token"`` (``[block, d]`` per block and head) or ``"dim"``
