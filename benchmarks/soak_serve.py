@@ -4,9 +4,11 @@ post-checks (issue 52). Exits non-zero on any failure.
 One server (127.0.0.1, a free port; ``--dtype float32 --enforce-eager --block-size 32``,
 prefix caching on, chunked prefill of ``--max-num-batched-tokens`` rows, a KV cap of
 ``--kv-blocks`` blocks, ``--max-model-len``; probkv's option snapkv r = 0.5 with log-weights,
-so ``prob:`` requests run too) is started and waited for on /health. Before the traffic, a
-fixed set of greedy probes (three methods over one prompt) and the seeded references (each
-seeded prompt and seed alone, sampled at temperature 0.8) are answered one at a time. Then
+so ``prob:`` requests run too, and a report file; ``--attention-backend``: ``CPU_ATTN``, the
+CPU platform's own, or ``FLEX_ATTENTION``, vLLM's portable one) is started and waited for on
+/health. Before the traffic, a fixed set of greedy probes (three methods over one prompt) and
+the seeded references (each seeded prompt and seed alone, sampled at temperature 0.8) are
+answered one at a time. Then
 ``--threads`` client threads send requests until ``--requests`` were sent or ``--duration``
 seconds passed, each request of one kind, in a seeded shuffled round-robin (``KINDS``):
 
@@ -26,8 +28,9 @@ them ("CPU Generator does not use offset"). After the traffic, checked and print
 request answered (and equal to its reference where it has one), every bad one a 4xx naming the
 reason, every KV block back in the pool (``vllm:kv_cache_usage_perc`` exactly 0: prefix-cached
 blocks count as free), nothing running or waiting, /health 200, the probes answering exactly
-as before, the server process alive; and the count of each kind and of vLLM's preemptions
-(``--min-per-kind``, ``--min-preemptions``: fewer is a failure too). Run under
+as before, the server process alive, every report row naming the backend asked for; and the
+count of each kind and of vLLM's preemptions (``--min-per-kind``, ``--min-preemptions``: fewer
+is a failure too). Run under
 ``flock /tmp/bench.lock`` on a shared machine:
 
     .venv-vllm/bin/python benchmarks/soak_serve.py --requests 480 --duration 900 \\
@@ -50,7 +53,9 @@ from pathlib import Path
 
 HOST = "127.0.0.1"
 BLOCK = 32
-BLOCK_BYTES = 30 * 3 * 64 * 2 * 4 * BLOCK * 80 // 64  # SmolLM2 float32, prob: spare columns
+BLOCK_BYTES = 30 * 3 * 64 * 2 * 4 * BLOCK  # SmolLM2 float32
+# CPU_ATTN holds prob: log-weights in spare key columns (64 -> 80 wide), FLEX beside the cache
+BACKENDS = {"CPU_ATTN": 80 / 64, "FLEX_ATTENTION": 1.0}
 WORDS = ["harbour", "lamp", "tide", "gull", "rope", "keeper", "stone", "wind", "salt", "night"]
 KINDS = (
     "topk", "prob", "budget", "stream_closed", "n2", "logprobs", "seeded", "unseeded",
@@ -94,6 +99,13 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--start-timeout", type=float, default=600.0)
     ap.add_argument("--request-timeout", type=float, default=600.0)
+    ap.add_argument(
+        "--attention-backend",
+        choices=list(BACKENDS),
+        default="CPU_ATTN",
+        help="the backend the server evicts through (vLLM's --attention-backend where not "
+        "CPU_ATTN, the CPU platform's own); the plugin's report rows must name it",
+    )
     ap.add_argument("--log", help="the server's log (default: a file in /tmp)")
     return ap.parse_args(argv)
 
@@ -137,17 +149,22 @@ def metric(metrics: str, name: str) -> float | None:
     return sum(values) if values else None
 
 
-def start_server(args, model: str, port: int, log: Path) -> subprocess.Popen:
-    option = {"probkv": {"method": "snapkv", "ratio": 0.5, "log_weights": True}}
+def start_server(args, model: str, port: int, log: Path, report: Path) -> subprocess.Popen:
+    option = {
+        "probkv": {"method": "snapkv", "ratio": 0.5, "log_weights": True, "report": str(report)}
+    }
+    wide = BACKENDS[args.attention_backend]
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
         "--host", HOST, "--port", str(port), "--dtype", "float32", "--enforce-eager",
         "--block-size", str(BLOCK), "--enable-prefix-caching",
         "--max-model-len", str(args.max_model_len),
         "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-        "--kv-cache-memory-bytes", str(args.kv_blocks * BLOCK_BYTES),
+        "--kv-cache-memory-bytes", str(int(args.kv_blocks * BLOCK_BYTES * wide)),
         "--seed", "0", "--additional-config", json.dumps(option),
     ]  # fmt: skip
+    if args.attention_backend != "CPU_ATTN":
+        command += ["--attention-backend", args.attention_backend]
     with open(log, "w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + args.start_timeout
@@ -167,8 +184,8 @@ def start_server(args, model: str, port: int, log: Path) -> subprocess.Popen:
 class Traffic:
     """The prompts, references and results of one soak (module docstring)."""
 
-    def __init__(self, args, base: str, model: str, tokenizer) -> None:
-        self.args, self.base, self.model = args, base, model
+    def __init__(self, args, base: str, model: str, tokenizer, report: Path) -> None:
+        self.args, self.base, self.model, self.report = args, base, model, report
         self.lock = threading.Lock()
         self.counts: collections.Counter = collections.Counter()
         self.failures: list[str] = []
@@ -371,7 +388,18 @@ def post_checks(args, traffic: Traffic, process: subprocess.Popen) -> dict:
             traffic.fail("post", f"{kind} sent {traffic.counts[kind]} < {args.min_per_kind} times")
     if (checks["preemptions"] or 0) < args.min_preemptions:
         traffic.fail("post", f"{checks['preemptions']} preemptions < {args.min_preemptions}")
+    checks["backends"] = backends = reported_backends(traffic.report)
+    if backends != [args.attention_backend]:
+        traffic.fail("post", f"evictions ran through {backends}, not {args.attention_backend}")
     return checks
+
+
+def reported_backends(report: Path) -> list[str]:
+    """The attention backends the plugin's report rows name (one row per eviction)."""
+    if not report.exists():
+        return []
+    rows = [json.loads(x) for x in report.read_text().splitlines() if x.strip()]
+    return sorted({str(r.get("attention_backend")) for r in rows})
 
 
 def main(argv=None) -> int:
@@ -382,11 +410,13 @@ def main(argv=None) -> int:
     tokenizer = load_tokenizer(args.model)
     port = free_port()
     log = Path(args.log or f"/tmp/soak_serve_{port}.log")
+    report = log.with_suffix(".report.jsonl")
+    report.unlink(missing_ok=True)
     t0 = time.monotonic()
-    process = start_server(args, model, port, log)
+    process = start_server(args, model, port, log, report)
     print(f"server up in {time.monotonic() - t0:.0f} s (log {log})", flush=True)
     try:
-        traffic = Traffic(args, f"http://{HOST}:{port}", model, tokenizer)
+        traffic = Traffic(args, f"http://{HOST}:{port}", model, tokenizer, report)
         traffic.take_references()
         missing = [k for k, v in traffic.references.items() if v is None or v == {}]
         if missing or None in traffic.references["probes"].values():

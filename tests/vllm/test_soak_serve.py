@@ -35,6 +35,16 @@ def test_a_metric_is_the_sum_of_its_samples(load_benchmark):
     assert soak.metric(text, "vllm:num_preemptions_total") is None
 
 
+def test_the_backends_are_read_from_the_report_rows(load_benchmark, tmp_path):
+    soak = load_benchmark("soak_serve")
+    report = tmp_path / "r.jsonl"
+    assert soak.reported_backends(report) == []  # no eviction reported: a failure to the check
+    report.write_text(
+        '{"attention_backend": "FLEX_ATTENTION"}\n\n{"attention_backend": "CPU_ATTN"}\n{}\n'
+    )
+    assert soak.reported_backends(report) == ["CPU_ATTN", "FLEX_ATTENTION", "None"]
+
+
 @pytest.mark.slow
 def test_a_ci_sized_soak_passes_every_post_check():
     pytest.importorskip("vllm", reason="vLLM is not installed here: make test-vllm runs it")
