@@ -14,6 +14,10 @@ seconds passed, each request of one kind, in a seeded shuffled round-robin (``KI
 
 - ``topk``, ``prob``, ``budget``: greedy probes with per-request methods, ratios and decode
   budgets in flat ``vllm_xargs``; the answer must equal the probe's answer before the traffic;
+- ``long_output``: the probe prompt's first 256 tokens with ``snapkv`` r = 0.5 and
+  ``--long-tokens`` new tokens: vLLM admits a request only if its whole prompt fits, so it is
+  output that outgrows a small cap; concurrent long outputs make vLLM preempt (and recompute)
+  evicted requests; the answer must equal the same request's alone, before the traffic;
 - ``stream_closed``: a stream the client closes after two chunks;
 - ``n2``: ``n = 2`` with a seed: the two choices must equal the references of seeds s and
   s + 1 (vLLM seeds child i of a parallel request with seed + i);
@@ -59,13 +63,14 @@ BACKENDS = {"CPU_ATTN": 80 / 64, "FLEX_ATTENTION": 1.0}
 WORDS = ["harbour", "lamp", "tide", "gull", "rope", "keeper", "stone", "wind", "salt", "night"]
 KINDS = (
     "topk", "prob", "budget", "stream_closed", "n2", "logprobs", "seeded", "unseeded",
-    "shared_prefix", "one_token", "too_long", "bad_option",
+    "shared_prefix", "one_token", "too_long", "bad_option", "long_output",
 )  # fmt: skip
 PROBES = {  # kind -> vllm_xargs of a greedy probe
     "topk": {"probkv_method": "tova", "probkv_ratio": 0.5},
     "prob": {"probkv_method": "prob:snapkv", "probkv_ratio": 0.75},
     "budget": {"probkv_method": "snapkv", "probkv_max_entries": 128, "probkv_every": 32},
 }
+LONG = {"probkv_method": "snapkv", "probkv_ratio": 0.5}  # vllm_xargs of a long greedy output
 BAD = [  # (vllm_xargs, what the 400's message names)
     ({"probkv_method": "no-such-method"}, "no-such-method"),
     ({"probkv_method": "kvzip"}, "repeat the context"),
@@ -93,6 +98,12 @@ def parse_args(argv=None):
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--max-num-batched-tokens", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=48, help="new tokens of a good request")
+    ap.add_argument(
+        "--long-tokens",
+        type=int,
+        default=192,
+        help="new tokens of a long_output request (several of them outgrow a small cap)",
+    )
     ap.add_argument("--seeded-prompts", type=int, default=3, help="each with 2x as many seeds")
     ap.add_argument("--min-per-kind", type=int, default=1)
     ap.add_argument("--min-preemptions", type=int, default=0)
@@ -222,6 +233,7 @@ class Traffic:
 
     def take_references(self) -> None:
         self.references["probes"] = self.probes()
+        self.references["long"] = self.long_output()
         for i, prompt in enumerate(self.seeded_prompts):
             for seed in range(2 * len(self.seeded_prompts)):
                 self.references[i, seed] = self.answers(prompt, seed=seed, **SAMPLED)
@@ -257,6 +269,13 @@ class Traffic:
         want = self.references["probes"]["budget"]
         got = self.answers(self.probe_prompt, xargs=PROBES["budget"])
         return self.expect(got, want, "budget")
+
+    def long_output(self) -> list[str] | None:
+        prompt = self.probe_prompt[:256]  # admitted whole (vLLM 0.32 reserves the full input)
+        return self.answers(prompt, xargs=LONG, max_tokens=self.args.long_tokens)
+
+    def kind_long_output(self, n: int) -> str | None:
+        return self.expect(self.long_output(), self.references["long"], "long_output")
 
     def kind_seeded(self, n: int) -> str | None:
         i, seed = n % len(self.seeded_prompts), n % (2 * len(self.seeded_prompts))
