@@ -14,10 +14,11 @@ seconds passed, each request of one kind, in a seeded shuffled round-robin (``KI
 
 - ``topk``, ``prob``, ``budget``: greedy probes with per-request methods, ratios and decode
   budgets in flat ``vllm_xargs``; the answer must equal the probe's answer before the traffic;
-- ``long_output``: the probe prompt's first 256 tokens with ``snapkv`` r = 0.5 and
+- ``long_output``: the probe prompt's first 128 tokens with ``snapkv`` r = 0.5 and
   ``--long-tokens`` new tokens: vLLM admits a request only if its whole prompt fits, so it is
-  output that outgrows a small cap; concurrent long outputs make vLLM preempt (and recompute)
-  evicted requests; the answer must equal the same request's alone, before the traffic;
+  output that outgrows a small cap, and a short prompt lets several long outputs in at once;
+  they make vLLM preempt (and recompute) evicted requests; the answer must equal the same
+  request's alone, before the traffic;
 - ``stream_closed``: a stream the client closes after two chunks;
 - ``n2``: ``n = 2`` with a seed: the two choices must equal the references of seeds s and
   s + 1 (vLLM seeds child i of a parallel request with seed + i);
@@ -101,7 +102,7 @@ def parse_args(argv=None):
     ap.add_argument(
         "--long-tokens",
         type=int,
-        default=192,
+        default=320,
         help="new tokens of a long_output request (several of them outgrow a small cap)",
     )
     ap.add_argument("--seeded-prompts", type=int, default=3, help="each with 2x as many seeds")
@@ -271,7 +272,7 @@ class Traffic:
         return self.expect(got, want, "budget")
 
     def long_output(self) -> list[str] | None:
-        prompt = self.probe_prompt[:256]  # admitted whole (vLLM 0.32 reserves the full input)
+        prompt = self.probe_prompt[:128]  # admitted whole (vLLM 0.32 reserves the full input)
         return self.answers(prompt, xargs=LONG, max_tokens=self.args.long_tokens)
 
     def kind_long_output(self, n: int) -> str | None:
