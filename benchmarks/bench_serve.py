@@ -561,7 +561,8 @@ def report_rows(args, rows: list[Row], per_request: int) -> list[dict]:
     print("|" + " --- |" * 14)
     for r in rows:
         made = r.num_gpu_blocks
-        admits = (made - 1) // per_request if made else None
+        # hybrid: vLLM's blocks are per KV cache group, not over every layer (no admits figure)
+        admits = (made - 1) // per_request if made and args.shape != "hybrid" else None
         freed = (
             "-"
             if r.mean_freed_blocks is None
