@@ -14,6 +14,14 @@ shared-document chats (run each under ``flock /tmp/bench.lock`` on a shared mach
 ``evict`` each method under C held to a decode budget (``--max-entries`` B = 256, ``--every``
 K = 32; ``probkv.vllm.budget``), whose report gives each request's ``peak_positions``.
 
+``hybrid`` (issue 54): Gemma-3 270M (``--model`` default ``gemma3-270m``: 15 layers with a
+512-token window, 3 global ones), 8 prompts of 8,192 tokens, 128 new tokens, C = 2 full requests
+counted over every layer (``--full-requests``); ``plain`` under C, ``ideal`` under 2 C, ``snapkv``
+and ``topk:kvzap`` at r = 0.5. vLLM's hybrid manager keeps the windowed layers in their own KV
+cache groups and frees their out-of-window blocks, so its blocks are per group of layers: the
+report's ``evicted groups`` / ``evicted layers`` say where probkv freed (the full-attention
+groups, the global layers).
+
 ``long``: 2,048 prompt tokens, 256 new tokens; ``short``: 1,024 and 32; both 16 prompts of
 vLLM's random dataset (``--random-range-ratio 0``: every prompt and output of that length,
 ``--ignore-eos``), all sent at once (``--request-rate inf``), greedy, fixed ``--seed``. For each
@@ -71,7 +79,9 @@ SHAPES = {  # prompt (document) tokens, new tokens, prompts
     "short": (1024, 32, 16),
     "shared-doc": (1400, 32, 6),
     "long-output": (512, 1024, 16),  # issue 40: a decode budget (max_entries, every)
+    "hybrid": (8192, 128, 8),  # issue 54: Gemma-3 270M, its global layers evicted
 }
+HYBRID_MODEL = "gemma3-270m"  # the hybrid shape's default model (15 windowed + 3 global layers)
 IDEAL_ALL = "plain, memory for all"  # long-output's ideal: every request whole at once
 REFUSED = "server refused to start"
 QUESTION_TOKENS = 20  # shared-doc: each chat's own question after the document
@@ -117,6 +127,8 @@ class Row:
     peak_positions: int | None = None  # long-output: the most any request held (its report)
     attention_backend: str | None = None  # the one the server ran (backend_ran)
     evicted_requests: int = 0
+    evicted_groups: list[int] = field(default_factory=list)  # KV cache groups probkv freed in
+    evicted_layers: list[int] = field(default_factory=list)  # the layers it observed
     mean_freed_blocks: float | None = None
     mean_freed_share: float | None = None
     start_s: float | None = None
@@ -126,7 +138,10 @@ class Row:
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="short")
-    ap.add_argument("--model", default="smollm2-135m", help="a probkv model name or a folder")
+    ap.add_argument(
+        "--model",
+        help=f"a probkv model name or a folder (default smollm2-135m; hybrid: {HYBRID_MODEL})",
+    )
     ap.add_argument("--input-len", type=int, help="prompt (shared-doc: document) tokens")
     ap.add_argument("--output-len", type=int, help="new tokens per request")
     ap.add_argument("--num-prompts", type=int)
@@ -161,12 +176,19 @@ def parse_args(argv):
     args.input_len = args.input_len or length
     args.output_len = args.output_len or new
     args.num_prompts = args.num_prompts or prompts
-    args.full_requests = args.full_requests or (args.num_prompts if shared else 4)
+    hybrid = args.shape == "hybrid"
+    args.model = args.model or (HYBRID_MODEL if hybrid else "smollm2-135m")
+    args.full_requests = args.full_requests or (args.num_prompts if shared else 2 if hybrid else 4)
     default_methods = (
-        "snapkv" if shared or args.shape == "long-output" else "snapkv,prob:snapkv,prob:kvzap"
+        "snapkv"
+        if shared or args.shape == "long-output"
+        else "snapkv,topk:kvzap"  # the hybrid shape: prob: needs head size 512 (docs/vllm.md)
+        if hybrid
+        else "snapkv,prob:snapkv,prob:kvzap"
     )
     args.methods = [m for m in (args.methods or default_methods).split(",") if m]
-    args.ratios = [float(r) for r in (args.ratios or ("0.5" if shared else "0.5,0.75")).split(",")]
+    default_ratios = "0.5" if shared or hybrid else "0.5,0.75"
+    args.ratios = [float(r) for r in (args.ratios or default_ratios).split(",")]
     args.configs = args.configs.split(",")
     unknown = sorted(set(args.configs) - {"plain", "ideal", "evict"})
     if unknown:
@@ -455,6 +477,8 @@ def run_config(args, model_dir: Path, cfg: Config, work: Path) -> Row:
                 peaks = [e["peak_positions"] for e in evicted if "peak_positions" in e]
                 row.peak_positions = max(peaks) if peaks else None
             n = row.evicted_requests = len(evicted)
+            row.evicted_groups = sorted({g for e in evicted for g in e.get("kv_cache_groups", ())})
+            row.evicted_layers = sorted({i for e in evicted for i in e.get("evicted_layers", ())})
             row.mean_freed_blocks = sum(e["freed_blocks"] for e in evicted) / n
             row.mean_freed_share = sum(e["freed_blocks"] / e["num_blocks"] for e in evicted) / n
         return row
@@ -537,7 +561,8 @@ def report_rows(args, rows: list[Row], per_request: int) -> list[dict]:
     print("|" + " --- |" * 14)
     for r in rows:
         made = r.num_gpu_blocks
-        admits = (made - 1) // per_request if made else None
+        # hybrid: vLLM's blocks are per KV cache group, not over every layer (no admits figure)
+        admits = (made - 1) // per_request if made and args.shape != "hybrid" else None
         freed = (
             "-"
             if r.mean_freed_blocks is None
@@ -556,8 +581,21 @@ def report_rows(args, rows: list[Row], per_request: int) -> list[dict]:
             f"{fmt(r.preemptions, 'd')} | {freed} | {fmt(r.peak_positions, 'd')} | "
             f"{' -> '.join(f'{x:.2f}' for x in r.load)} | {r.attention_backend or '-'} |"
         )
+    for r in rows:
+        if r.evicted_groups:
+            print(
+                f"{r.config.name}: freed in KV cache groups {r.evicted_groups}, observed "
+                f"layers {r.evicted_layers}"
+            )
     plain = next((r for r in rows if r.config.name == "plain C"), None)
-    if plain and plain.num_gpu_blocks:
+    if plain and plain.num_gpu_blocks and args.shape == "hybrid":
+        print(
+            f"\ncap: C = {plain.cap_bytes} bytes (n = {n} full requests over every layer) made "
+            f"{plain.num_gpu_blocks} blocks in vLLM, each a block of one layer per KV cache "
+            "group (hybrid manager); peak running measured "
+            f"{fmt(plain.peak_running, 'd')}"
+        )
+    elif plain and plain.num_gpu_blocks:
         admits = (plain.num_gpu_blocks - 1) // per_request
         verdict = "exactly n" if admits == n else f"NOT n = {n}"
         print(

@@ -47,6 +47,36 @@ def test_ratio_lines_and_the_cap_check(load_benchmark, capsys):
     assert len(ratios) == 1 + 2 + 3
 
 
+def test_the_hybrid_shape_evicts_gemma3_under_two_full_requests(load_benchmark, capsys):
+    """Issue 54's shape: Gemma-3 270M, 8 x 8,192 / 128, C = 2 full requests over every layer,
+    plain under C and 2 C, snapkv and topk:kvzap at r = 0.5; the groups and layers freed in are
+    printed from the report's rows."""
+    bench = load_benchmark("bench_serve")
+    args = bench.parse_args(["--shape", "hybrid"])
+    assert (args.input_len, args.output_len, args.num_prompts) == (8192, 128, 8)
+    assert args.model == "gemma3-270m" and args.full_requests == 2
+    per_request = 260  # (8192 + 128) / 32
+    configs = bench.configurations(args, per_request)
+    assert [c.name for c in configs] == [
+        "plain C", "plain C/(1-0.5)", "snapkv r=0.5", "topk:kvzap r=0.5"
+    ]  # fmt: skip
+    assert [c.blocks for c in configs] == [520, 1040, 520, 520]
+    rows = []
+    for cfg, speed in zip(configs, (1.0, 1.02, 1.05, 1.04)):
+        row = bench.Row(cfg, cap_bytes=1, num_gpu_blocks=3121)
+        row.duration_s, row.req_s, row.output_tok_s = 10 / speed, speed, 128
+        row.median_ttft_ms, row.median_tpot_ms, row.peak_running = 100.0, 50.0, 8
+        if cfg.method:
+            row.evicted_groups, row.evicted_layers = [2], [5, 11, 17]
+        rows.append(row)
+    bench.report_rows(args, rows, per_request)
+    out = capsys.readouterr().out
+    assert "| plain C | 520 (3121) | - |" in out  # vLLM's blocks are per group of layers
+    assert "snapkv r=0.5: freed in KV cache groups [2], observed layers [5, 11, 17]" in out
+    assert "made 3121 blocks in vLLM, each a block of one layer per KV cache group" in out
+    assert "snapkv r=0.5 / plain C/(1-0.5): 1.03x req/s" in out
+
+
 def test_the_long_output_shape_runs_a_budget_against_c_and_memory_for_all(
     load_benchmark, capsys, tmp_path
 ):

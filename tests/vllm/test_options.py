@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -17,6 +18,7 @@ from probkv.vllm.options import (
     check_engine,
     check_request,
     check_version,
+    evicting_groups,
     frees_nothing,
     kv_group_problems,
     policy_for,
@@ -190,6 +192,21 @@ def test_prefix_caching_is_accepted():
     assert check_engine(config(cache_config=cache)).method == "prob:snapkv"
 
 
+GEMMA3 = SimpleNamespace(
+    hf_config=SimpleNamespace(
+        architectures=["Gemma3ForCausalLM"],
+        sliding_window=512,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"],
+    )
+)
+
+
+def test_gemma3_is_admitted_with_its_sliding_windows():
+    """Its global layers are evicted (full-attention KV cache groups), its windowed layers
+    left to vLLM: refused only where vLLM keeps both in one group (kv_group_problems)."""
+    assert check_engine(config(model_config=GEMMA3)).method == "prob:snapkv"
+
+
 @pytest.mark.parametrize(
     ("changes", "match"),
     [
@@ -202,7 +219,15 @@ def test_prefix_caching_is_accepted():
         ({"scheduler_config": SimpleNamespace(scheduler_cls="my.Sched", async_scheduling=False)},
          "my.Sched"),
         ({"model_config": SimpleNamespace(hf_config=SimpleNamespace(
-            architectures=["Gemma3ForCausalLM"], sliding_window=512))}, "Gemma3ForCausalLM"),
+            architectures=["Gemma2ForCausalLM"], sliding_window=4096))}, "Gemma2ForCausalLM"),
+        ({"model_config": SimpleNamespace(hf_config=SimpleNamespace(
+            architectures=["MistralForCausalLM"], sliding_window=4096))},
+         r"sliding_window=4096\) is supported only in \['Gemma3ForCausalLM'\]"),
+        ({"model_config": SimpleNamespace(hf_config=SimpleNamespace(
+            architectures=["Gemma3ForCausalLM"], sliding_window=512,
+            layer_types=["sliding_attention"] * 4))}, "no global-attention layer"),
+        ({"model_config": GEMMA3, "attention_config": SimpleNamespace(
+            backend=SimpleNamespace(name="FLEX_ATTENTION"))}, "FLEX_ATTENTION with sliding"),
     ],
 )  # fmt: skip
 def test_engine_settings_the_plugin_cannot_serve_are_refused_by_name(changes, match):
@@ -322,10 +347,43 @@ def test_a_pooling_runner_is_refused_by_name_on_a_listed_architecture():
     assert check_engine(config(model_config=SimpleNamespace(hf_config=hf, runner_type="generate")))
 
 
-def test_kv_caches_of_several_groups_are_refused_by_name():
-    assert not list(kv_group_problems(SimpleNamespace(kv_cache_groups=[object()])))
-    [problem] = kv_group_problems(SimpleNamespace(kv_cache_groups=[object(), object()]))
-    assert "2 KV cache groups" in problem
+class FullAttentionSpec(SimpleNamespace):
+    """Stands for vLLM's spec of that name (read by its class name)."""
+
+
+class SlidingWindowSpec(SimpleNamespace):
+    pass
+
+
+class MambaSpec(SimpleNamespace):
+    pass
+
+
+def groups(*specs):
+    return SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=s) for s in specs])
+
+
+def test_hybrid_kv_caches_evict_their_full_attention_groups_only():
+    full, window = FullAttentionSpec(sliding_window=None), SlidingWindowSpec(sliding_window=512)
+    one = groups(full)
+    assert not list(kv_group_problems(one)) and evicting_groups(one) == (0,)
+    gemma = groups(window, window, full, window, window, window)  # Gemma-3 270M's six groups
+    assert not list(kv_group_problems(gemma)) and evicting_groups(gemma) == (2,)
+    assert evicting_groups(groups(full, window, full)) == (0, 2)
+
+
+@pytest.mark.parametrize(
+    ("layout", "match"),
+    [
+        # --disable-hybrid-kv-cache-manager: windowed layers promoted into the full group
+        ((FullAttentionSpec(sliding_window=512),), "one block list .*sliding_window=512"),
+        ((SlidingWindowSpec(sliding_window=4096),), "no full-attention KV cache group"),
+        ((FullAttentionSpec(sliding_window=None), MambaSpec()), "group 1 is a MambaSpec"),
+    ],
+)
+def test_kv_cache_layouts_probkv_cannot_evict_in_are_refused_by_name(layout, match):
+    [problem] = kv_group_problems(groups(*layout))
+    assert re.search(match, problem), problem
 
 
 @pytest.mark.parametrize(

@@ -35,6 +35,7 @@ def scheduler(blocks: list, request):
         coordinator=SimpleNamespace(single_type_managers=[manager])
     )
     sched.probkv_recomputing = {}
+    sched.probkv_groups = (0,)  # the one group (full attention)
     # stage 1 at the prompt's 200 positions freed blocks 1-3, stage 2 at 240 blocks 4-5
     stages = [(200, [1, 2, 3]), (240, [4, 5])]
     sched.probkv_evicted = {
@@ -72,3 +73,27 @@ def test_a_recomputations_prefix_hit_stops_where_the_next_stages_window_begins()
     assert sched._prefix_hit_limit(request) == 5 * BLOCK + 64 + 32 - window
     del sched.probkv_evicted["r"]["max_entries"]  # no budget: nothing more is selected
     assert sched._prefix_hit_limit(request) is None
+
+
+def test_blocks_are_freed_in_the_evicting_groups_only():
+    """A hybrid model's groups (each its own block ids): the full-attention ones lose the freed
+    logical blocks, a sliding-window one keeps its list for vLLM's own manager."""
+    from probkv.vllm import internals
+
+    lists = [[SimpleNamespace(is_null=False, id=(g, i)) for i in range(6)] for g in range(3)]
+    freed = []
+    managers = [
+        SimpleNamespace(
+            req_to_blocks={"r": blocks},
+            _null_block=NULL,
+            block_pool=SimpleNamespace(free_blocks=freed.extend),
+        )
+        for blocks in lists
+    ]
+    sched = SimpleNamespace(
+        kv_cache_manager=SimpleNamespace(coordinator=SimpleNamespace(single_type_managers=managers))
+    )
+    assert internals.free_logical_blocks(sched, "r", [1, 3], (0, 2)) == 4
+    assert sorted(b.id for b in freed) == [(0, 1), (0, 3), (2, 1), (2, 3)]
+    assert [b.is_null for b in lists[1]] == [False] * 6
+    assert [i for i, b in enumerate(lists[2]) if b.is_null] == [1, 3]

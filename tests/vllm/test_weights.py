@@ -12,6 +12,7 @@ import torch
 from probkv.vllm.request_eviction import decode_attention
 from probkv.vllm.weights import (
     SPARE,
+    next_head_size,
     padded_entries,
     padded_head_size,
     padded_queries,
@@ -29,6 +30,10 @@ def test_padded_head_size_is_the_smallest_with_two_columns_to_spare():
     assert padded_head_size(128, SIZES) == 160
     with pytest.raises(ValueError, match=r"no head size above 512 \+ 2.*top-k method"):
         padded_head_size(512, SIZES)
+    assert next_head_size(256, SIZES) == 512
+    # Gemma-3: twice the bytes of every layer, more than r = 0.5 frees: refused with the figure
+    with pytest.raises(ValueError, match=r"head size 256 .* next size is 512, 2.00x.*snapkv"):
+        padded_head_size(256, SIZES)
 
 
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 0.0), (torch.bfloat16, 2e-4)])

@@ -40,7 +40,7 @@ class ProbKVCPUMetadataBuilder(CPUAttentionMetadataBuilder):
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         state = worker.active()
         if state is not None:
-            common_attn_metadata = state.compact_metadata(common_attn_metadata)
+            common_attn_metadata = state.compact_metadata(common_attn_metadata, self.layer_names)
         return super().build(common_prefix_len, common_attn_metadata, fast_build)
 
 
@@ -60,7 +60,8 @@ class ProbKVCPUAttentionImpl(CPUAttentionBackendImpl):
                 layer, query, key, value, kv_cache, attn_metadata, output, *args, **kw
             )
         state = worker.active()
-        notes = worker.NO_NOTES if state is None else state.step
+        layer_idx = layer_index(layer.layer_name)
+        notes = worker.NO_NOTES if state is None else state.notes_for(layer_idx)
         num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
         width = kv_cache.shape[-1] // 2
         halves = kv_cache.view(num_blocks, num_kv_heads, 2 * block_size, -1).chunk(2, dim=2)
@@ -73,7 +74,7 @@ class ProbKVCPUAttentionImpl(CPUAttentionBackendImpl):
         if not notes.work:
             return output
         state.attend(
-            layer=layer_index(layer.layer_name),
+            layer=layer_idx,
             query=query,
             caches=halves,
             layout=layout,

@@ -46,7 +46,7 @@ class ProbKVFlexMetadataBuilder(_FlexBuilder):
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
         state = worker.active()
         if state is not None:
-            common_attn_metadata = state.compact_metadata(common_attn_metadata)
+            common_attn_metadata = state.compact_metadata(common_attn_metadata, self.layer_names)
         out = super().build(common_prefix_len, common_attn_metadata, fast_build)
         internals.widen_flex_block_mask(out)  # torch's CPU lowering needs every cache block
         if state is None:
@@ -59,7 +59,7 @@ class ProbKVFlexMetadataBuilder(_FlexBuilder):
             self._weights = SlotLogWeights(
                 out.total_cache_tokens, self._rows, self.block_size, self.device
             )
-        notes = state.step
+        notes = state.notes_for(layer_index(self.layer_names[0]))
         self._weights.update(common_attn_metadata.slot_mapping, notes.writes, notes.unweighted_rows)
         internals.set_flex_score_mod(out, self._weights.score_mod)
         return out
@@ -79,12 +79,13 @@ class ProbKVFlexAttentionImpl(_FlexImpl):
             layer, query, key, value, kv_cache, attn_metadata, output, *args, **kw
         )
         state = worker.active()
-        if attn_metadata is None or state is None or not state.step.work:
+        if attn_metadata is None or state is None or self.attn_type != AttentionType.DECODER:
             return out
-        if self.attn_type != AttentionType.DECODER:
+        layer_idx = layer_index(layer.layer_name)
+        if not state.notes_for(layer_idx).work:
             return out
         state.attend(
-            layer=layer_index(layer.layer_name),
+            layer=layer_idx,
             query=query,
             caches=internals.flex_cache_halves(kv_cache, self.head_size),
             layout=TOKEN_LAYOUT,

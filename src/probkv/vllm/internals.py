@@ -127,13 +127,16 @@ def replace_metadata(common, **fields):
 # (vllm/v1/request.py)
 
 
-def free_logical_blocks(scheduler, req_id: str, logical_blocks) -> int:
-    """Return the request's blocks at ``logical_blocks`` to the pool, leaving vLLM's null block
-    in its block list (what the sliding-window manager does with blocks that left its window);
-    blocks another request or the prefix cache also holds only lose this request's reference.
-    The number of blocks released."""
+def free_logical_blocks(scheduler, req_id: str, logical_blocks, groups) -> int:
+    """Return the request's blocks at ``logical_blocks`` of the KV cache groups ``groups``
+    (indices into the coordinator's ``single_type_managers``, one per group: a hybrid model's
+    full-attention groups) to the pool, leaving vLLM's null block in its block lists (what the
+    sliding-window manager does with blocks that left its window); blocks another request or
+    the prefix cache also holds only lose this request's reference. The number of blocks
+    released."""
     released = 0
-    for manager in scheduler.kv_cache_manager.coordinator.single_type_managers:
+    managers = scheduler.kv_cache_manager.coordinator.single_type_managers
+    for manager in (managers[g] for g in groups):
         blocks = manager.req_to_blocks.get(req_id)
         if blocks is None:
             continue
@@ -174,22 +177,37 @@ def stop_caching_new_blocks(request, *, from_start: bool = False) -> None:
 
 def limit_prefix_hits(scheduler, limit) -> None:
     """Wrap the scheduler's prefix-cache lookup (``KVCacheManager.get_computed_blocks``) so a
-    request's hit never covers more than ``limit(request)`` tokens (None: no limit), rounded
-    down to whole blocks."""
+    request's hit never covers more than ``limit(request)`` tokens (None: no limit), whole
+    blocks: the coordinator's ``find_longest_cache_hit`` (kv_cache_coordinator.py) is asked for
+    at most that many, so every KV cache group's hit is found for the shorter length (a
+    sliding-window group's hit holds the blocks of the window before its end, which cutting a
+    longer hit short would miss)."""
     manager = scheduler.kv_cache_manager
-    lookup = manager.get_computed_blocks
-    block_size = scheduler.block_size
+    lookup, coordinator = manager.get_computed_blocks, manager.coordinator
+    find = coordinator.find_longest_cache_hit
+    most: list[int | None] = [None]  # the limit of the request being looked up
+
+    def find_longest_cache_hit(block_hashes, max_cache_hit_length, *args, **kwargs):
+        if most[0] is not None:
+            max_cache_hit_length = min(max_cache_hit_length, max(0, most[0]))
+        return find(block_hashes, max_cache_hit_length, *args, **kwargs)
 
     def get_computed_blocks(request):
-        blocks, hit, boundary = lookup(request)
-        most = limit(request)
-        if most is None or hit <= most:
-            return blocks, hit, boundary
-        keep = max(0, most) // block_size
-        trimmed = manager.create_kv_cache_blocks(tuple(list(g[:keep]) for g in blocks.blocks))
-        return trimmed, keep * block_size, 0
+        most[0] = limit(request)
+        try:
+            return lookup(request)
+        finally:
+            most[0] = None
 
+    coordinator.find_longest_cache_hit = find_longest_cache_hit
     manager.get_computed_blocks = get_computed_blocks
+
+
+def global_attention_layers(layers: dict) -> dict:
+    """The attention layers of ``layers`` (``attention_layers``) that read the whole context:
+    no ``sliding_window`` (vllm/model_executor/layers/attention/attention.py sets it per
+    layer, e.g. Gemma-3's local layers)."""
+    return {name: layer for name, layer in layers.items() if layer.sliding_window is None}
 
 
 # --- FlexAttention (vllm/v1/attention/backends/flex_attention.py, ``AttentionCGSupport`` from

@@ -31,7 +31,17 @@ OPTION_KEYS = ("method", "ratio", "report", "log_weights", "max_entries", "every
 METHOD_KEY, RATIO_KEY = f"{KEY}_method", f"{KEY}_ratio"  # a request's flat extra_args keys
 MAX_ENTRIES_KEY, EVERY_KEY = f"{KEY}_max_entries", f"{KEY}_every"  # its decode budget
 REQUEST_KEYS = (METHOD_KEY, RATIO_KEY, MAX_ENTRIES_KEY, EVERY_KEY)
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Gemma3ForCausalLM",
+)
+# Models whose sliding-window layers stay vLLM's (their own KV cache groups) while the global
+# layers are evicted; every other architecture's sliding window is refused.
+HYBRID_ARCHITECTURES = ("Gemma3ForCausalLM",)
+FULL_SPEC, WINDOW_SPEC = "FullAttentionSpec", "SlidingWindowSpec"  # vLLM's KV cache spec kinds
 WORKER = "probkv.vllm.worker.ProbKVWorker"
 SCHEDULER = "probkv.vllm.scheduler.ProbKVScheduler"
 DEFAULT_WORKER = "vllm.v1.worker.cpu_worker.CPUWorker"  # what the CPU platform sets for "auto"
@@ -406,30 +416,78 @@ def _engine_problems(config):
             "enable_prompt_embeds=True: a prompt given as embeddings has no token ids, and the "
             "worker sizes each request's eviction by its prompt's ids; start without it"
         )
-    yield from model_problems(config.model_config.hf_config)
+    hf = config.model_config.hf_config
+    backend = getattr(getattr(config, "attention_config", None), "backend", None)
+    if getattr(backend, "name", None) == "FLEX_ATTENTION" and windowed(hf):
+        yield (
+            "attention_backend=FLEX_ATTENTION with sliding-window layers: probkv's FlexAttention "
+            "path evicts single-group models only; use CPU_ATTN (vLLM's CPU default)"
+        )
+    yield from model_problems(hf)
+
+
+def windowed(hf) -> bool:
+    """Whether the model's config (by attribute) has sliding-window layers."""
+    return bool(getattr(hf, "sliding_window", None)) and getattr(hf, "use_sliding_window", True)
+
+
+def evicting_groups(kv_cache_config) -> tuple[int, ...]:
+    """The KV cache groups probkv evicts in (vLLM's ``KVCacheConfig.kv_cache_groups``, read by
+    attribute): the full-attention ones. A hybrid model's sliding-window groups are left to
+    vLLM, which frees their out-of-window blocks itself."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    return tuple(i for i, g in enumerate(groups) if type(g.kv_cache_spec).__name__ == FULL_SPEC)
 
 
 def kv_group_problems(kv_cache_config) -> Iterator[str]:
     """What the plugin cannot evict in, from the engine's KV cache layout (vLLM's
-    ``KVCacheConfig``, known once the workers measured memory): several KV cache groups
-    (hybrid models: a block's logical index means another position in each group)."""
+    ``KVCacheConfig``, known once the workers measured memory): a group that holds windowed
+    and global layers in one block list (vLLM's hybrid KV cache manager switched off), a
+    group of another kind than full attention or a sliding window, or no full-attention group
+    at all (every layer windowed)."""
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
-    if len(groups) > 1:
+    for i, group in enumerate(groups):
+        spec = group.kv_cache_spec
+        kind = type(spec).__name__
+        if kind == FULL_SPEC and getattr(spec, "sliding_window", None) is not None:
+            yield (
+                f"KV cache group {i} keeps sliding-window and global layers in one block list "
+                f"(sliding_window={spec.sliding_window}: vLLM's hybrid KV cache manager is "
+                "off), so a freed block would leave the windows too; start vLLM without "
+                "--disable-hybrid-kv-cache-manager"
+            )
+        elif kind not in (FULL_SPEC, WINDOW_SPEC):
+            yield (
+                f"KV cache group {i} is a {kind}: probkv evicts full-attention groups, beside "
+                f"sliding-window ones left to vLLM ({FULL_SPEC}, {WINDOW_SPEC})"
+            )
+    if groups and not evicting_groups(kv_cache_config):
         yield (
-            f"{len(groups)} KV cache groups: probkv frees one block list per request; models "
-            "whose layers keep several (hybrid or mixed attention) are not supported yet"
+            f"no full-attention KV cache group among {len(groups)}: every layer keeps a "
+            "sliding window, so there is nothing for probkv to evict"
         )
 
 
 def model_problems(hf) -> Iterator[str]:
     """What the plugin cannot evict in, from a model's config (``hf``: vLLM's ``hf_config``, a
     transformers config or its ``config.json`` as attributes): its architecture, sliding-window
-    attention."""
+    attention outside the hybrid architectures, or a hybrid model with no global layer."""
     archs = tuple(getattr(hf, "architectures", None) or ())
     if not set(archs) & set(ARCHITECTURES):
         yield f"model architecture {list(archs)}: supported are {list(ARCHITECTURES)}"
-    if getattr(hf, "sliding_window", None) and getattr(hf, "use_sliding_window", True):
-        yield (f"sliding-window attention (sliding_window={hf.sliding_window}) is not supported")
+    if not windowed(hf):
+        return
+    window = hf.sliding_window
+    if not set(archs) & set(HYBRID_ARCHITECTURES):
+        yield (
+            f"sliding-window attention (sliding_window={window}) is supported only in "
+            f"{list(HYBRID_ARCHITECTURES)}, whose global layers are evicted"
+        )
+    elif "full_attention" not in (getattr(hf, "layer_types", None) or ()):
+        yield (
+            f"every layer keeps a sliding window (sliding_window={window}, layer_types="
+            f"{getattr(hf, 'layer_types', None)}): no global-attention layer to evict"
+        )
 
 
 def check_budget(

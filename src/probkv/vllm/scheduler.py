@@ -5,7 +5,9 @@ shares prefixes.
 When a step's output says which logical blocks of a request were evicted
 (``probkv.vllm.worker.OUTPUT_FIELD``), it frees them the way vLLM's sliding-window manager
 frees blocks that left the window: the request's block list gets the null block there and the
-pool gets the block back (``probkv.vllm.internals.free_logical_blocks``).
+pool gets the block back (``probkv.vllm.internals.free_logical_blocks``), in the full-attention
+KV cache groups only: a hybrid model's sliding-window groups (Gemma-3's local layers) are left
+to vLLM, whose sliding-window manager frees their out-of-window blocks itself.
 
 - **Preemption** (S12): vLLM recomputes a preempted request from its first token. Its workers
   keep the kept set (a function of the prompt's observation and the request's seed), read the
@@ -55,6 +57,8 @@ class ProbKVScheduler(Scheduler):
         problems = list(opts.kv_group_problems(self.kv_cache_config)) if self.probkv else []
         if problems:
             raise ValueError("probkv eviction in vLLM: " + "; ".join(problems))
+        # the full-attention groups: a hybrid model's sliding-window groups stay vLLM's
+        self.probkv_groups = opts.evicting_groups(self.kv_cache_config)
         self.probkv_model = vllm_config.model_config.hf_config
         self.probkv_evicted: dict[str, dict] = {}  # req_id -> what its eviction freed
         # evicted, preempted, not yet past its last stage -> the stages it has freed again
@@ -135,18 +139,19 @@ class ProbKVScheduler(Scheduler):
         stages = row["stage_frees"]
         done = self.probkv_recomputing[req_id]
         while done < len(stages) and request.num_computed_tokens >= stages[done][0]:
-            internals.free_logical_blocks(self, req_id, stages[done][1])
+            internals.free_logical_blocks(self, req_id, stages[done][1], self.probkv_groups)
             done += 1
         self.probkv_recomputing[req_id] = done
         if done == len(stages):
             del self.probkv_recomputing[req_id]
 
     def _free_evicted(self, req_id: str, info: dict) -> None:
-        freed = internals.free_logical_blocks(self, req_id, info["freed"])
+        freed = internals.free_logical_blocks(self, req_id, info["freed"], self.probkv_groups)
         request = self.requests.get(req_id)
         if request is not None:
             internals.stop_caching_new_blocks(request)
-        row = {"request_id": req_id, "freed_blocks": freed, "block_size": self.block_size, **info}
+        row = {"request_id": req_id, "freed_blocks": freed, "block_size": self.block_size,
+               "kv_cache_groups": list(self.probkv_groups), **info}  # fmt: skip
         length = info.get("stage_length", request.num_prompt_tokens if request else 0)
         row["stage_frees"] = [(length, list(info["freed"]))]  # what a recomputation frees again
         earlier = self.probkv_evicted.get(req_id)

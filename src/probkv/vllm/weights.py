@@ -3,7 +3,8 @@
 vLLM's CPU kernel adds no per-position bias to the logits, but it computes
 ``scale * <q, k>`` over whatever head width the cache has. An engine that runs ``prob:``
 methods therefore stores every key and value ``width`` wide instead of ``d``
-(``padded_head_size``: the smallest head size the kernel supports with two columns to spare).
+(``padded_head_size``: the smallest head size the kernel supports with two columns to spare,
+refused where that doubles the bytes, as Gemma-3's 256 -> 512 would).
 A kept prompt position of a ``prob:`` request holds ``log w / scale`` in its key's first two
 spare columns, split into a high part in the cache's dtype and the low remainder
 (``spare_key_columns``: exact in float32, within the low part's rounding in bfloat16); every
@@ -26,7 +27,13 @@ import torch
 SPARE = 2  # the high and the low part of log w / scale
 
 
-def padded_head_size(head_size: int, supported: Sequence[int]) -> int:
+#: The most KV bytes per position the spare columns may cost (``padded_head_size``): at twice a
+#: model's bytes a ``prob:`` engine holds more than plain vLLM's even where r = 0.5 halves every
+#: layer (Gemma-3, 256 -> 512: 1.25x plain's bytes per 8k request; docs/vllm.md).
+MAX_WIDENING = 2.0
+
+
+def next_head_size(head_size: int, supported: Sequence[int]) -> int:
     """The smallest of the kernel's ``supported`` head sizes with ``SPARE`` columns beyond
     ``head_size``; refused by name when there is none."""
     wide = [s for s in supported if s >= head_size + SPARE]
@@ -37,6 +44,22 @@ def padded_head_size(head_size: int, supported: Sequence[int]) -> int:
             f"{sorted(supported)}); use a top-k method with this model"
         )
     return min(wide)
+
+
+def padded_head_size(head_size: int, supported: Sequence[int]) -> int:
+    """``next_head_size``, refused by name where it costs ``MAX_WIDENING`` times the KV bytes
+    per position or more (every layer of the engine widens: vLLM's KV cache groups share one
+    page size, so a hybrid model's windowed layers too)."""
+    width = next_head_size(head_size, supported)
+    if width >= MAX_WIDENING * head_size:
+        raise ValueError(
+            f"prob: methods in vLLM store log-weights in {SPARE} spare key columns: at head "
+            f"size {head_size} the kernel's next size is {width}, {width / head_size:.2f}x the "
+            "KV bytes of every layer, more than the eviction frees (Gemma-3 at 8,192 "
+            "positions, r = 0.5: 1.25x plain vLLM's bytes per request); use a top-k method "
+            "(snapkv, topk:kvzap) with this model"
+        )
+    return width
 
 
 def spare_key_columns(log_weights: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:

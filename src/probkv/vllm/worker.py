@@ -25,7 +25,7 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 
 from probkv.vllm import budget, compaction, internals
 from probkv.vllm import options as opts
-from probkv.vllm.paged import LAYER_INDEX, read_cache
+from probkv.vllm.paged import layer_index, read_cache
 from probkv.vllm.request_eviction import RequestEviction, tensor_parallel_policy
 from probkv.vllm.weights import padded_head_size
 
@@ -41,19 +41,34 @@ def active() -> WorkerEviction | None:
 
 @dataclass(frozen=True)
 class StepNotes:
-    """What every layer of a step needs from probkv (``WorkerEviction.compact_metadata``).
+    """What every evicting layer of a step needs from probkv
+    (``WorkerEviction.compact_metadata``), one per KV cache group (each has its own block ids).
 
     ``work``: the prefill chunks of requests being observed, ``(row, request, lo, hi, n)``;
-    ``table``: the step's true (not compacted) block table; ``writes``: the log-weights to store
-    in the spare key columns at this step, before the kernel reads them (physical blocks,
-    offsets, log-weights, ``[n]`` each; None: none); ``unweighted_rows``: the query rows that
-    must not add the log-weights (prompt rows of a ``prob:`` request computed again after a
-    preemption; None: none)."""
+    ``table``: the group's true (not compacted) block table for the step; ``writes``: the
+    log-weights to store in the spare key columns at this step, before the kernel reads them
+    (physical blocks, offsets, log-weights, ``[n]`` each; None: none); ``unweighted_rows``:
+    the query rows that must not add the log-weights (prompt rows of a ``prob:`` request
+    computed again after a preemption; None: none)."""
 
     work: list
     table: torch.Tensor | None = None
     writes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     unweighted_rows: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class StepRequests:
+    """A step's evicting requests, found once for every KV cache group's metadata: the
+    request ids of the batch's rows, each row's eviction state and compaction plan, the
+    prefill work, the kept sets whose log-weights are due (``(row, KeptPrefix)``) and the
+    unweighted query rows."""
+
+    req_ids: list
+    plans: list
+    work: list
+    writes: list
+    unweighted: torch.Tensor | None
 
 
 NO_NOTES = StepNotes([])
@@ -89,7 +104,8 @@ class WorkerEviction:
         self.stages: dict[str, budget.RequestStages] = {}  # requests under a decode budget
         self.layers: tuple[int, ...] | None = None
         self.scale: float | None = None
-        self.step = NO_NOTES  # compact_metadata's notes for this step
+        self.notes: dict[int, StepNotes] = {}  # evicting layer -> its group's notes this step
+        self._step: StepRequests | None = None  # the step's requests, once for every group
         self.backend: str | None = None  # the attention backend vLLM runs (its name)
         self._index_key: tuple | None = None
         self._index: torch.Tensor | None = None
@@ -134,18 +150,73 @@ class WorkerEviction:
             self.pending.pop(req_id, None)
             self.stages.pop(req_id, None)
 
-    def compact_metadata(self, common):
-        """The step's attention metadata (vLLM's ``CommonAttentionMetadata``, once per step
-        before the forward) with every evicted request reading only its kept blocks
-        (``probkv.vllm.compaction``); also notes which rows need probkv at each layer: prefill
-        chunks of requests being observed, and the rows after the prompt of ``prob:`` requests."""
+    def new_step(self) -> None:
+        """A step starts (``execute_model``): its requests are read again from the metadata."""
+        self._step = None
+        self.notes = {}
+
+    def notes_for(self, layer: int) -> StepNotes:
+        """The step's notes of the evicting ``layer`` (NO_NOTES for a sliding-window layer,
+        which probkv leaves to vLLM, or a step without evicting requests)."""
+        return self.notes.get(layer, NO_NOTES)
+
+    def compact_metadata(self, common, layer_names=None):
+        """The step's attention metadata of one KV cache group (vLLM's
+        ``CommonAttentionMetadata``, once per group and step, before the forward; the group's
+        ``layer_names``, None: every layer) with every evicted request reading only its kept
+        blocks (``probkv.vllm.compaction``) where the group's layers are evicting ones
+        (full attention: a sliding-window group's metadata is returned as it is); also notes
+        for those layers which rows need probkv: prefill chunks of requests being observed,
+        and the rows after the prompt of ``prob:`` requests."""
+        layers = self.layers or ()
+        if layer_names is not None:
+            layers = [i for i in map(layer_index, layer_names) if i in layers]
+        if not layers:
+            return common
+        if self._step is None:
+            self._step = self._step_requests(common)
+        step, table = self._step, common.block_table_tensor
+        writes = [
+            (table[row, kept.positions // self.block_size].to(torch.int64),
+             kept.positions % self.block_size, kept.log_weights)
+            for row, kept in step.writes
+        ]  # fmt: skip
+        notes = StepNotes(
+            step.work,
+            table,
+            tuple(torch.cat(parts) for parts in zip(*writes)) if writes else None,
+            step.unweighted,
+        )
+        self.notes.update(dict.fromkeys(layers, notes))
+        if not any(step.plans):
+            return common
+        width = table.shape[1]
+        key = (tuple(step.req_ids), tuple(id(p) for p in step.plans), width)
+        if self._index_key != key:
+            self._index_key, self._index = key, compaction.block_indices(step.plans, width)
+        out = compaction.compact(
+            common.query_start_loc_cpu, common.seq_lens, table, step.plans, self._index
+        )
+        return internals.replace_metadata(
+            common,
+            query_start_loc=out.query_start_loc,
+            query_start_loc_cpu=out.query_start_loc,
+            seq_lens=out.seq_lens,
+            block_table_tensor=out.block_table,
+            num_reqs=out.num_seqs,
+            max_query_len=out.max_query_len,
+            max_seq_len=out.max_seq_len,
+        )
+
+    def _step_requests(self, common) -> StepRequests:
+        """The step's evicting requests (``StepRequests``), from its first group's metadata:
+        what does not depend on a group's block ids."""
         rows = common.num_reqs
         req_ids = internals.batch_request_ids(self.runner)[:rows]
         requests = [self.requests.get(r) for r in req_ids]
         plans = [None if q is None or q.kept is None else q.kept.plan for q in requests]
         starts = common.query_start_loc_cpu.tolist()
         seq_lens = common.seq_lens.tolist()
-        table = common.block_table_tensor
         work, writes, unweighted = [], [], []
         for row, request in enumerate(requests):
             if request is None:
@@ -163,36 +234,12 @@ class WorkerEviction:
                 if prompt_rows > 0:  # the prompt computed again after a preemption
                     unweighted.append(torch.arange(lo, lo + prompt_rows, dtype=torch.int64))
                 if request.weights_due and n >= kept.prompt_length:
-                    blocks = table[row, kept.positions // self.block_size].to(torch.int64)
-                    writes.append((blocks, kept.positions % self.block_size, kept.log_weights))
+                    writes.append((row, kept))
                     request.weights_due = False
         if self.stages:  # requests under a decode budget: window rows, due stages
             work += budget.step_work(self.stages, req_ids, requests, starts, seq_lens)
-        self.step = StepNotes(
-            work,
-            table,
-            tuple(torch.cat(parts) for parts in zip(*writes)) if writes else None,
-            torch.cat(unweighted) if unweighted else None,
-        )
-        if not any(plans):
-            return common
-        width = common.block_table_tensor.shape[1]
-        key = (tuple(req_ids), tuple(id(p) for p in plans), width)
-        if self._index_key != key:
-            self._index_key, self._index = key, compaction.block_indices(plans, width)
-        out = compaction.compact(
-            common.query_start_loc_cpu, common.seq_lens, common.block_table_tensor, plans,
-            self._index,
-        )  # fmt: skip
-        return internals.replace_metadata(
-            common,
-            query_start_loc=out.query_start_loc,
-            query_start_loc_cpu=out.query_start_loc,
-            seq_lens=out.seq_lens,
-            block_table_tensor=out.block_table,
-            num_reqs=out.num_seqs,
-            max_query_len=out.max_query_len,
-            max_seq_len=out.max_seq_len,
+        return StepRequests(
+            req_ids, plans, work, writes, torch.cat(unweighted) if unweighted else None
         )
 
     def attend(self, *, layer, query, caches, layout, output, scale) -> None:
@@ -202,16 +249,17 @@ class WorkerEviction:
         the log-weights of ``prob:`` requests in the keys' spare columns."""
         d = query.shape[-1]
         key_cache, value_cache = caches
-        for row, request, lo, hi, n in self.step.work:
+        notes = self.notes_for(layer)
+        for row, request, lo, hi, n in notes.work:
             rows = query[lo:hi]
             if isinstance(request, budget.RequestStages):  # a decode budget's work
-                request.attend(layer, rows, caches, layout, self.step.table[row], n)
+                request.attend(layer, rows, caches, layout, notes.table[row], n)
                 continue
             if not request.needs_entries(n):
                 request.add_chunk(layer, rows.transpose(0, 1).float(), None, None, t=n)
                 continue  # an early chunk: only its last query rows are kept
             positions = torch.arange(n, dtype=torch.int64)
-            blocks = self.step.table[row, positions // self.block_size].to(torch.int64)
+            blocks = notes.table[row, positions // self.block_size].to(torch.int64)
             offsets = positions % self.block_size
             keys = read_cache(key_cache, layout[0], blocks, offsets)[..., :d]  # [n, Hkv, d]
             values = read_cache(value_cache, layout[1], blocks, offsets)[..., :d]
@@ -242,6 +290,7 @@ class WorkerEviction:
                     # what was evicted: above ratio where a threshold set it (S11)
                     "effective_ratio": 1.0 - kept.positions.numel() / kept.prompt_length,
                     "attention_backend": self.backend,  # the one vLLM runs (load_model)
+                    "evicted_layers": list(self.layers),  # the global ones (full attention)
                 }
         if self.stages:
             budget.after_forward(self.stages, self.requests, self.pending, gather)
@@ -337,8 +386,11 @@ class EvictingWorker:
         result = super().load_model(*args, **kwargs)
         if self._probkv is not None:
             layers = internals.attention_layers(self.vllm_config)
-            indices = sorted(int(LAYER_INDEX.search(name).group(1)) for name in layers)
-            scales = {float(layer.impl.scale) for layer in layers.values()}
+            evicting = internals.global_attention_layers(layers)  # not Gemma-3's local ones
+            if not evicting:
+                raise RuntimeError("probkv: every attention layer has a sliding window")
+            indices = sorted(layer_index(name) for name in evicting)
+            scales = {float(layer.impl.scale) for layer in evicting.values()}
             if len(scales) != 1:
                 raise RuntimeError(f"probkv: the attention layers use several scales {scales}")
             self._probkv.layers = tuple(indices)
@@ -350,6 +402,7 @@ class EvictingWorker:
     def execute_model(self, scheduler_output):
         state = self._probkv
         if state is not None:
+            state.new_step()
             state.finish(scheduler_output.finished_req_ids)
             for req_id in scheduler_output.scheduled_cached_reqs.resumed_req_ids:
                 state.restart(req_id)  # computed again after a preemption
