@@ -143,12 +143,8 @@ def caching_engine():
     del llm
 
 
-CACHING_ENGINES = {"CPU_ATTN": "caching_engine", "FLEX_ATTENTION": "small_flex_engine"}
-
-
-@pytest.mark.parametrize("backend", ["CPU_ATTN", "FLEX_ATTENTION"])
-def test_a_prefix_hit_evicts_and_answers_as_without_it(request, tokenizer, backend):
-    llm = request.getfixturevalue(CACHING_ENGINES[backend])
+def test_a_prefix_hit_evicts_and_answers_as_without_it(caching_engine, tokenizer):
+    llm = caching_engine
     document = tokenizer(text(11, 600)).input_ids[:640]
     questions = [tokenizer(f" Question {i}: which word came first?").input_ids for i in range(3)]
     prompts = [document + q for q in questions]
@@ -183,12 +179,10 @@ def test_blocks_filled_after_an_eviction_are_never_reused(caching_engine, tokeni
     assert_every_block_back(llm)
 
 
-@pytest.mark.parametrize("backend", ["CPU_ATTN", "FLEX_ATTENTION"])
-def test_a_prob_request_shares_no_block_through_the_prefix_cache(request, tokenizer, backend):
-    """Its kept keys hold its own log-weights (or, through FlexAttention, its slots' weights):
-    no other request may read them, and it reads none of theirs; top-k requests of the same
-    engine share as in plain vLLM."""
-    llm = request.getfixturevalue(SMALL_ENGINES[backend])
+def test_a_prob_request_shares_no_block_through_the_prefix_cache(small_engine, tokenizer):
+    """Its kept keys hold its own log-weights: no other request may read them, and it reads
+    none of theirs; top-k requests of the same engine share as in plain vLLM."""
+    llm = small_engine
     prompt = tokenizer(text(31, 300)).input_ids[:330]
     for method, shared in (("prob:snapkv", False), ("snapkv", True)):
         first, _ = greedy(llm, [prompt], method, 0.5, 4)
