@@ -17,12 +17,12 @@ import torch
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: make test-vllm runs it")
 
 from probkv import scores  # noqa: E402
-from probkv.hf import ProbKVCache, prepare_model  # noqa: E402
 from probkv.hf.layers import EvictingLayer  # noqa: E402
 from probkv.models.testing import TINY_VOCAB_SIZE, save_tiny_model_folder  # noqa: E402
-from probkv.policies import parse_method  # noqa: E402
 from probkv.vllm import engine_options, request_options  # noqa: E402
 from probkv.vllm.request_eviction import RequestEviction  # noqa: E402
+
+from . import hf_reference  # noqa: E402
 
 pytestmark = pytest.mark.slow
 BLOCK = 32
@@ -106,21 +106,7 @@ def hf_greedy(folder, ids, method, ratio):
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     model.generation_config.eos_token_id = None  # as vLLM's ignore_eos
-    prepare_model(model)
-    policy = parse_method(f"{method}/scope=model/block={BLOCK}", ratio)
-    cache = ProbKVCache(model.config, policy, prompt_length=len(ids))
-    out = model.generate(
-        torch.tensor([ids]),
-        max_new_tokens=NEW_TOKENS,
-        do_sample=False,
-        cache=cache,
-        output_logits=True,
-        return_dict_in_generate=True,
-    )
-    tokens = out.sequences[0, len(ids) :].tolist()
-    logprobs = [
-        torch.log_softmax(step[0].double(), -1)[tok].item() for step, tok in zip(out.logits, tokens)
-    ]
+    tokens, logprobs, _ = hf_reference.hf_greedy(model, ids, method, ratio, BLOCK, NEW_TOKENS)
     return tokens, logprobs
 
 

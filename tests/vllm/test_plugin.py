@@ -17,11 +17,11 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: make test
 
 from vllm.exceptions import VLLMValidationError  # noqa: E402
 
-from probkv.hf import ProbKVCache, prepare_model  # noqa: E402
 from probkv.models import chat_prompt_ids, load_model, resolve_model  # noqa: E402
-from probkv.policies import parse_method  # noqa: E402
 from probkv.vllm import engine_options, request_options  # noqa: E402
 from probkv.vllm.scheduler import ProbKVScheduler  # noqa: E402
+
+from . import hf_reference  # noqa: E402
 
 pytestmark = pytest.mark.slow
 BLOCK = 32
@@ -71,23 +71,7 @@ def vllm_greedy(llm, ids, method, ratio):
 
 def hf_greedy(ids, method, ratio):
     model, _ = load_model("smollm2-135m", dtype=torch.float32)
-    prepare_model(model)
-    policy = parse_method(f"{method}/scope=model/block={BLOCK}", ratio)
-    input_ids = torch.tensor([ids])
-    cache = ProbKVCache(model.config, policy, prompt_length=len(ids))
-    out = model.generate(
-        input_ids,
-        max_new_tokens=NEW_TOKENS,
-        do_sample=False,
-        cache=cache,
-        output_logits=True,
-        return_dict_in_generate=True,
-    )
-    tokens = out.sequences[0, len(ids) :].tolist()
-    logprobs = [
-        torch.log_softmax(step[0].double(), -1)[tok].item() for step, tok in zip(out.logits, tokens)
-    ]
-    return tokens, logprobs, cache
+    return hf_reference.hf_greedy(model, ids, method, ratio, BLOCK, NEW_TOKENS)
 
 
 def test_the_entry_point_gives_the_engine_probkvs_scheduler(engine):
