@@ -106,12 +106,17 @@ def test_vllm_model_checks_from_its_config(tmp_path):
     check_model(_folder(tmp_path), 3)  # SmolLM2's shape over 3 ranks
     with pytest.raises(ValueError, match=r"9 attention heads \(3 KV heads\) do not divide over 2"):
         check_model(_folder(tmp_path), 2)
-    with pytest.raises(ValueError, match=r"architecture \['Gemma3ForCausalLM'\]"):
-        check_model(_folder(tmp_path, architectures=["Gemma3ForCausalLM"]))
+    with pytest.raises(ValueError, match=r"architecture \['GPT2LMHeadModel'\]: supported are"):
+        check_model(_folder(tmp_path, architectures=["GPT2LMHeadModel"]))
     with pytest.raises(
-        ValueError, match=r"sliding-window attention \(sliding_window=512\) is not supported"
+        ValueError, match=r"sliding-window attention \(sliding_window=512\) is supported only in"
     ):
         check_model(_folder(tmp_path, sliding_window=512))
+    # Gemma-3: its global layers are evicted, its sliding ones left to vLLM (docs/vllm.md)
+    gemma = {"architectures": ["Gemma3ForCausalLM"], "sliding_window": 512}
+    check_model(_folder(tmp_path, **gemma, layer_types=["sliding_attention", "full_attention"]))
+    with pytest.raises(ValueError, match=r"no global-attention layer to evict"):
+        check_model(_folder(tmp_path, **gemma, layer_types=["sliding_attention"] * 2))
 
 
 def test_vllm_kvzap_needs_a_shipped_scorer_for_the_model(tmp_path):
