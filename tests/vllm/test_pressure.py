@@ -71,6 +71,13 @@ def scheduler(llm):
     return llm.llm_engine.engine_core.engine_core.scheduler
 
 
+def evictions(llm) -> int:
+    """Requests whose kept sets this engine selected so far: a test whose requests should
+    evict checks that they did (several engines live in this process: one whose worker read
+    another's state evicted nothing and still answered)."""
+    return scheduler(llm).probkv_evictions
+
+
 def greedy(llm, prompts, method, ratio, new_tokens):
     params = vllm.SamplingParams(
         temperature=0,
@@ -117,10 +124,12 @@ def test_a_preempted_evicted_request_finishes_with_its_unpreempted_tokens(
 ):
     llm = request.getfixturevalue(SMALL_ENGINES[backend])
     prompts = [tokenizer(text(seed, 420)).input_ids[:500] for seed in range(6)]
+    evicted = evictions(llm)
     alone = [greedy(llm, [p], method, ratio, 120)[0][0] for p in prompts[:3]]
     before = scheduler(llm).probkv_preemptions
     together, _ = greedy(llm, prompts, method, ratio, 120)
     assert scheduler(llm).probkv_preemptions > before  # the cap forced preemptions
+    assert evictions(llm) == evicted + 9
     assert together[:3] == alone
     assert all(len(t) == 120 for t in together)
     assert_every_block_back(llm)
@@ -143,14 +152,20 @@ def caching_engine():
     del llm
 
 
-def test_a_prefix_hit_evicts_and_answers_as_without_it(caching_engine, tokenizer):
-    llm = caching_engine
+CACHING_ENGINES = {"CPU_ATTN": "caching_engine", "FLEX_ATTENTION": "small_flex_engine"}
+
+
+@pytest.mark.parametrize("backend", ["CPU_ATTN", "FLEX_ATTENTION"])
+def test_a_prefix_hit_evicts_and_answers_as_without_it(request, tokenizer, backend):
+    llm = request.getfixturevalue(CACHING_ENGINES[backend])
+    evicted = evictions(llm)
     document = tokenizer(text(11, 600)).input_ids[:640]
     questions = [tokenizer(f" Question {i}: which word came first?").input_ids for i in range(3)]
     prompts = [document + q for q in questions]
     cold, _ = greedy(llm, [prompts[0]], "snapkv", 0.5, 16)
     warm, outs = greedy(llm, prompts, "snapkv", 0.5, 16)
     assert warm[0] == cold[0]
+    assert evictions(llm) == evicted + 4
     assert_every_block_back(llm)
     assert all(o.num_cached_tokens > 0 for o in outs)  # the shared document came from the cache
     # the observation's rows (SnapKV's window) were computed, not read from the cache
@@ -161,16 +176,20 @@ def test_a_prefix_hit_evicts_and_answers_as_without_it(caching_engine, tokenizer
 def test_a_score_that_reads_every_row_takes_no_prefix_from_the_cache(caching_engine, tokenizer):
     llm = caching_engine
     prompt = tokenizer(text(5, 400)).input_ids[:420]
+    evicted = evictions(llm)
     cold, _ = greedy(llm, [prompt], "h2o", 0.5, 12)
     warm, outs = greedy(llm, [prompt], "h2o", 0.5, 12)
     assert warm == cold and outs[0].num_cached_tokens == 0
+    assert evictions(llm) == evicted + 2
     assert_every_block_back(llm)
 
 
 def test_blocks_filled_after_an_eviction_are_never_reused(caching_engine, tokenizer):
     llm = caching_engine
     prompt = tokenizer(text(23, 300)).input_ids[:352]
+    before = evictions(llm)
     [evicted], _ = greedy(llm, [prompt], "snapkv", 0.75, 96)
+    assert evictions(llm) == before + 1
     longer = prompt + evicted  # a plain request whose tokens continue the evicted one's
     [plain], outs = greedy(llm, [longer], "full", 0.0, 8)
     assert outs[0].num_cached_tokens <= len(prompt)  # only the prompt's own blocks were shared
@@ -179,15 +198,19 @@ def test_blocks_filled_after_an_eviction_are_never_reused(caching_engine, tokeni
     assert_every_block_back(llm)
 
 
-def test_a_prob_request_shares_no_block_through_the_prefix_cache(small_engine, tokenizer):
-    """Its kept keys hold its own log-weights: no other request may read them, and it reads
-    none of theirs; top-k requests of the same engine share as in plain vLLM."""
-    llm = small_engine
+@pytest.mark.parametrize("backend", ["CPU_ATTN", "FLEX_ATTENTION"])
+def test_a_prob_request_shares_no_block_through_the_prefix_cache(request, tokenizer, backend):
+    """Its kept keys hold its own log-weights (or, through FlexAttention, its slots' weights):
+    no other request may read them, and it reads none of theirs; top-k requests of the same
+    engine share as in plain vLLM."""
+    llm = request.getfixturevalue(SMALL_ENGINES[backend])
     prompt = tokenizer(text(31, 300)).input_ids[:330]
     for method, shared in (("prob:snapkv", False), ("snapkv", True)):
+        evicted = evictions(llm)
         first, _ = greedy(llm, [prompt], method, 0.5, 4)
         again, outs = greedy(llm, [prompt], method, 0.5, 4)
         assert again == first
+        assert evictions(llm) == evicted + 2, method
         assert (outs[0].num_cached_tokens > 0) == shared, method
     assert_every_block_back(llm)
 
@@ -216,8 +239,10 @@ def test_seeded_requests_under_chunked_prefill_get_their_tokens_alone(small_engi
     gets what it gets alone."""
     llm = small_engine
     prompts = [tokenizer(text(40 + i, 500)).input_ids[:600] for i in range(4)]
+    evicted = evictions(llm)
     alone = [sampled(llm, [p], [i], 40)[0] for i, p in enumerate(prompts)]
     together = sampled(llm, prompts, range(4), 40)
+    assert evictions(llm) == evicted + 8
     assert together == alone
     assert len({tuple(a[0]) for a in alone}) == 4
     assert_every_block_back(llm)
@@ -231,8 +256,25 @@ def test_n_2_gives_the_tokens_of_two_requests_seeded_s_and_s_plus_1(
     parallel_sampling.py); each child prefills and evicts apart."""
     llm = small_engine
     prompt = tokenizer(text(50, 300)).input_ids[:330]
+    evicted = evictions(llm)
     [pair] = sampled(llm, [prompt], [7], 24, n=2, method=method)
     singles = sampled(llm, [prompt, prompt], [7, 8], 24, method=method)
+    assert evictions(llm) == evicted + 4  # each child evicts apart
     assert pair == [singles[0][0], singles[1][0]]
     assert pair[0] != pair[1]
     assert_every_block_back(llm)
+
+
+def test_engines_of_one_process_each_evict_their_own_requests(
+    small_engine, caching_engine, tokenizer
+):
+    """Two in-process engines, used in turn: each step's backend reads the state of the worker
+    that runs it (``probkv.vllm.worker.activated``). Before, it read the last worker built: the
+    other engine's requests were never observed (nothing evicted, same tokens), or compacted by
+    a stale step's plans ("3 plans for 1 rows")."""
+    prompt = tokenizer(text(61, 200)).input_ids[:200]
+    for llm in (small_engine, caching_engine, small_engine):
+        before = evictions(llm)
+        greedy(llm, [prompt], "snapkv", 0.5, 4)
+        assert evictions(llm) == before + 1
+        assert_every_block_back(llm)

@@ -23,7 +23,7 @@ from vllm.v1.outputs import (
 
 from probkv.vllm import internals
 from probkv.vllm.options import EngineEviction
-from probkv.vllm.worker import OUTPUT_FIELD, WorkerEviction
+from probkv.vllm.worker import OUTPUT_FIELD, WorkerEviction, activated, active
 
 FREED = {"req-0": {"freed": [1, 2], "kept_positions": 40}}
 
@@ -59,6 +59,22 @@ def test_async_outputs_carry_the_freed_blocks_to_get_output():
     got = out.get_output()
     assert getattr(got, OUTPUT_FIELD) == FREED and got.req_ids == ["req-0"]
     assert not hasattr(inner, OUTPUT_FIELD)
+
+
+def test_a_workers_state_is_active_during_its_call_only():
+    """Each worker call activates its own state and restores the one before it, an error
+    raised inside included: an engine's step never reads another in-process engine's state."""
+    first, second = state_with_pending(), state_with_pending()
+    assert active() is None
+    with activated(first):
+        assert active() is first
+        with pytest.raises(RuntimeError), activated(second):
+            assert active() is second
+            raise RuntimeError("the step failed")
+        assert active() is first
+        with activated(None):  # a plain engine's worker call: the backends pass through
+            assert active() is None
+    assert active() is None
 
 
 def test_no_output_yet_keeps_the_list_for_the_next_one():

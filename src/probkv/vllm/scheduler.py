@@ -64,6 +64,7 @@ class ProbKVScheduler(Scheduler):
         # evicted, preempted, not yet past its last stage -> the stages it has freed again
         self.probkv_recomputing: dict[str, int] = {}
         self.probkv_preemptions = 0  # evicted requests preempted (and recomputed) so far
+        self.probkv_evictions = 0  # requests whose blocks an eviction freed so far
         if self.cache_config.enable_prefix_caching:
             internals.limit_prefix_hits(self, self._prefix_hit_limit)
 
@@ -155,6 +156,7 @@ class ProbKVScheduler(Scheduler):
         length = info.get("stage_length", request.num_prompt_tokens if request else 0)
         row["stage_frees"] = [(length, list(info["freed"]))]  # what a recomputation frees again
         earlier = self.probkv_evicted.get(req_id)
+        self.probkv_evictions += earlier is None
         if earlier is not None and "max_entries" in info:  # a later stage of a decode budget
             held = earlier.get("peak_positions", 0)
             row = {**earlier, **info, "freed_blocks": earlier["freed_blocks"] + freed}

@@ -14,6 +14,7 @@ output carries, per request, the logical blocks the scheduler frees
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 
@@ -35,8 +36,24 @@ _ACTIVE: WorkerEviction | None = None
 
 
 def active() -> WorkerEviction | None:
-    """This process's eviction state (None: the engine does not evict)."""
+    """The eviction state of the worker whose call runs now in this process (None: none, or
+    its engine does not evict): what the attention backends read (``activated``)."""
     return _ACTIVE
+
+
+@contextlib.contextmanager
+def activated(state: WorkerEviction | None):
+    """``state`` is ``active()`` while one worker call runs, and what was before it after.
+    A process may hold several engines (vLLM's in-process engine core: an offline script's
+    two ``LLM`` objects, the tests' engines), each with its own worker: a backend must read
+    the state of the worker whose step it runs, never the last one built (a stale step's plans
+    then compact another engine's rows: "3 plans for 1 rows"), and a plain engine's none."""
+    global _ACTIVE
+    before, _ACTIVE = _ACTIVE, state
+    try:
+        yield state
+    finally:
+        _ACTIVE = before
 
 
 @dataclass(frozen=True)
@@ -351,7 +368,6 @@ class EvictingWorker:
     in the attention backends (``backend``, ``flex_backend``)."""
 
     def __init__(self, vllm_config, *args, **kwargs) -> None:
-        global _ACTIVE
         engine = opts.check_engine(vllm_config)
         self._backend = internals.chosen_backend(vllm_config)
         if engine is not None:
@@ -361,15 +377,15 @@ class EvictingWorker:
                 internals.let_flex_through(type(current_platform))
             register_attention_backend(self._backend)
         super().__init__(vllm_config, *args, **kwargs)
+        self._probkv = None
         if engine is not None:
-            _ACTIVE = WorkerEviction(
+            self._probkv = WorkerEviction(
                 engine,
                 vllm_config.cache_config.block_size,
                 None,
                 vllm_config.model_config.hf_config,
                 vllm_config.parallel_config.tensor_parallel_size,
             )
-        self._probkv = _ACTIVE
 
     def get_kv_cache_spec(self):
         """vLLM's specs, with spare key columns in an engine whose method is a ``prob:`` one
@@ -382,8 +398,26 @@ class EvictingWorker:
         sizes = internals.cpu_head_sizes()
         return internals.widened_kv_specs(specs, lambda d: padded_head_size(d, sizes))
 
+    # Every call that may run a forward does so with this worker's state active (``activated``)
+    def determine_available_memory(self):
+        with activated(self._probkv):
+            return super().determine_available_memory()
+
+    def initialize_from_config(self, kv_cache_config):
+        with activated(self._probkv):
+            return super().initialize_from_config(kv_cache_config)
+
+    def compile_or_warm_up_model(self):
+        with activated(self._probkv):
+            return super().compile_or_warm_up_model()
+
+    def execute_dummy_batch(self):
+        with activated(self._probkv):
+            return super().execute_dummy_batch()
+
     def load_model(self, *args, **kwargs):
-        result = super().load_model(*args, **kwargs)
+        with activated(self._probkv):
+            result = super().load_model(*args, **kwargs)
         if self._probkv is not None:
             layers = internals.attention_layers(self.vllm_config)
             evicting = internals.global_attention_layers(layers)  # not Gemma-3's local ones
@@ -400,6 +434,10 @@ class EvictingWorker:
         return result
 
     def execute_model(self, scheduler_output):
+        with activated(self._probkv):
+            return self._execute_model(scheduler_output)
+
+    def _execute_model(self, scheduler_output):
         state = self._probkv
         if state is not None:
             state.new_step()
@@ -415,7 +453,7 @@ class EvictingWorker:
         return state.attach(output)
 
     def sample_tokens(self, grammar_output):
-        with internals.no_draws_for_discarded_samples(self.model_runner):  # seeded + chunked
+        with activated(self._probkv), internals.no_draws_for_discarded_samples(self.model_runner):
             output = super().sample_tokens(grammar_output)
         return output if self._probkv is None else self._probkv.attach(output)
 
