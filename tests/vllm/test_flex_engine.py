@@ -80,10 +80,11 @@ def greedy(llm, ids, method, ratio):
 
 def test_the_engine_runs_vllms_flex_backend_with_probkvs_subclass(engine):
     from probkv.vllm.flex_backend import ProbKVFlexAttentionImpl
-    from probkv.vllm.worker import active
 
-    assert active().backend == "FLEX_ATTENTION"
-    runner = active().runner
+    llm, _ = engine
+    state = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.eviction
+    assert state.backend == "FLEX_ATTENTION"
+    runner = state.runner
     impls = {type(layer.impl) for layer in runner.model.modules() if hasattr(layer, "impl")}
     assert impls == {ProbKVFlexAttentionImpl}
 

@@ -398,6 +398,11 @@ class EvictingWorker:
         sizes = internals.cpu_head_sizes()
         return internals.widened_kv_specs(specs, lambda d: padded_head_size(d, sizes))
 
+    @property
+    def eviction(self) -> WorkerEviction | None:
+        """This worker's eviction state (None: its engine does not evict)."""
+        return self._probkv
+
     # Every call that may run a forward does so with this worker's state active (``activated``)
     def determine_available_memory(self):
         with activated(self._probkv):
