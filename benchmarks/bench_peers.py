@@ -9,7 +9,8 @@ Run from the vLLM environment, under the bench lock on a shared machine:
 The prompts are probkv's own generated tasks (``--tasks``, ``--lengths``, ``--per-task``,
 ``--seed``: ``probkv eval``'s generator, its prompt token ids and ``max_new_tokens``), question
 inside the prompt, greedy. probkv's side is one vLLM engine with probkv's plugin
-(``probkv.vllm.engine.VllmRunner``, blocks of 32, float32, memory for every request), the
+(``probkv.vllm.engine.VllmRunner``, blocks of 32, float32, memory for 8 requests of the
+longest prompt, its default), the
 whole batch once with ``full`` and once per method and ratio. The peer's side runs in its own
 Python environment (``--ov-python``; without it the script makes ``--ov-venv`` with
 ``python -m venv <dir> && <dir>/bin/pip install {OV_PIP}`` from PyPI; it never touches
@@ -21,7 +22,9 @@ batch once plain and once per ratio with ``SchedulerConfig.use_cache_eviction`` 
 ``CacheEvictionConfig(start_size, recent_size, max_cache_size, aggregation_mode)``.
 ``max_cache_size`` is matched to probkv's kept positions (``matched_cache_size``: the blocks
 probkv keeps at that ratio, 32 positions each, over the prompts' mean). Both engines get one
-CPU thread (``--threads``) and memory for every request at once.
+CPU thread (``--threads``; OpenVINO's unpinned) and KV memory for 8 full requests at once.
+``VLLM_CPU_OMP_THREADS_BIND=nobind`` above: vLLM's default binding pins its one thread to core
+0, starved there when another session's vLLM engine holds that core.
 
 Printed side by side per ratio: answers kept (the sum over prompts of min(score, the engine's
 own full cache's score) over that full cache's total, as ``probkv eval``'s summary counts
@@ -45,6 +48,7 @@ from pathlib import Path
 BLOCK = 32  # positions per KV block: vLLM's CPU backend here and OpenVINO's CPU plugin
 OV_PIP = "'openvino-genai==2026.4.*'"
 AGGREGATIONS = ("SUM", "NORM_SUM")
+CONCURRENT = 8  # requests at once in either engine (probkv.vllm.engine.DEFAULT_CONCURRENT)
 DEFAULT_TASKS = "niah_single_1,niah_single_2,niah_multikey_1"
 
 
@@ -210,12 +214,13 @@ def ov_worker(spec_path, out_path):
     import openvino_genai as genai
 
     spec = json.loads(Path(spec_path).read_text())
-    blocks = sum(-(-(len(p) + n) // BLOCK) for p, n in zip(spec["prompts"], spec["max_new"]))
+    longest = max(len(p) + n for p, n in zip(spec["prompts"], spec["max_new"]))
+    blocks = CONCURRENT * -(-longest // BLOCK)
     results = []
     for config in spec["configs"]:
         sched = genai.SchedulerConfig()
-        sched.num_kv_blocks = blocks + 8  # every request at once, as probkv's side
-        sched.max_num_seqs = len(spec["prompts"])
+        sched.num_kv_blocks = blocks  # CONCURRENT of the longest request, as probkv's side
+        sched.max_num_seqs = CONCURRENT
         sched.dynamic_split_fuse = True
         ev = config["eviction"]
         if ev is not None:

@@ -135,3 +135,10 @@ def test_the_table_puts_each_engine_over_its_own_plain_run(load_benchmark, tiny_
     assert "| probkv (vLLM) | snapkv r=0.75 | 190 | 100.0% (2 of 2) | 0.400 | 0.80x |" in lines
     assert "| OpenVINO GenAI | evict r=0.75 | 192 | 50.0% (1 of 2) | 2.000 | 2.00x |" in lines
     assert [r["kept_share"] for r in rows] == [1.0, 1.0, 1.0, 0.5]
+
+
+def test_both_engines_get_the_same_concurrency(load_benchmark):
+    from probkv.vllm.engine import BLOCK_SIZE, DEFAULT_CONCURRENT  # pure: no vLLM import
+
+    bench = load_benchmark("bench_peers")
+    assert (bench.CONCURRENT, bench.BLOCK) == (DEFAULT_CONCURRENT, BLOCK_SIZE)
