@@ -10,7 +10,7 @@ The prompts are probkv's own generated tasks (``--tasks``, ``--lengths``, ``--pe
 ``--seed``: ``probkv eval``'s generator, its prompt token ids and ``max_new_tokens``), question
 inside the prompt, greedy. probkv's side is one vLLM engine with probkv's plugin
 (``probkv.vllm.engine.VllmRunner``, blocks of 32, float32, memory for 8 requests of the
-longest prompt, its default), the
+longest prompt, its default; prefix caching off, so no run reuses another's prefill), the
 whole batch once with ``full`` and once per method and ratio. The peer's side runs in its own
 Python environment (``--ov-python``; without it the script makes ``--ov-venv`` with
 ``python -m venv <dir> && <dir>/bin/pip install {OV_PIP}`` from PyPI; it never touches
@@ -294,8 +294,10 @@ def run_probkv(args, prompts, model_path):
     from probkv.vllm.engine import Request, VllmRunner
 
     longest = max(len(ids) + ex.max_new_tokens for ex, ids in prompts)
-    runner = VllmRunner(model_path, dtype="float32", max_model_len=longest, seed=args.seed,
-                        kv_cache_bytes=None)  # fmt: skip
+    # prefix caching off: each run prefills its prompts itself
+    runner = VllmRunner(
+        model_path, dtype="float32", max_model_len=longest, seed=args.seed, prefix_caching=False
+    )
     runs = []
     try:
         for method, ratio in [("full", 0.0)] + [
