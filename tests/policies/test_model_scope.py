@@ -53,10 +53,9 @@ def kept_masks(selections, t: int = T) -> list[torch.Tensor]:
     return out
 
 
-def slow_block_scores(obs_list, block, aggregate, t=T, keep=None):
-    """Loops: each head's softmax over its non-forced entries, per block summed (``peak``:
-    its largest; ``votes``: how many of the head's ``keep`` largest), then the sum (``max``:
-    the max) over (layer, head); the forced blocks."""
+def slow_block_scores(obs_list, block, aggregate, t=T):
+    """Loops: each head's softmax over its non-forced entries, summed per block, then the sum
+    or max over (layer, head); the forced blocks."""
     k = math.ceil(t / block)
     per_head, forced = [], [False] * k
     for obs in obs_list:
@@ -64,24 +63,14 @@ def slow_block_scores(obs_list, block, aggregate, t=T, keep=None):
             free = [i for i in range(t) if not bool(obs.forced[h, i])]
             top = max(float(obs.log_scores[h, i]) for i in free)
             z = sum(math.exp(float(obs.log_scores[h, i]) - top) for i in free)
-            pi = [0.0] * t
+            masses = [0.0] * k
             for i in range(t):
                 if bool(obs.forced[h, i]):
                     forced[i // block] = True
                 else:
-                    pi[i] = math.exp(float(obs.log_scores[h, i]) - top) / z
-            voters = set(sorted(free, key=lambda i: -pi[i])[: keep or 0])
-            masses = [0.0] * k
-            for i in range(t):
-                b = i // block
-                if aggregate == "peak":
-                    masses[b] = max(masses[b], pi[i])
-                elif aggregate == "votes":
-                    masses[b] += float(i in voters and pi[i] > 0)
-                else:
-                    masses[b] += pi[i]
+                    masses[i // block] += math.exp(float(obs.log_scores[h, i]) - top) / z
             per_head.append(masses)
-    agg = max if aggregate == "max" else sum
+    agg = sum if aggregate == "sum" else max
     return [agg(m[b] for m in per_head) for b in range(k)], forced
 
 
@@ -99,7 +88,7 @@ def slow_protected(t, block, k, sink_blocks, recent_tokens):
     return chosen
 
 
-@pytest.mark.parametrize("aggregate", ["sum", "max", "peak", "votes"])
+@pytest.mark.parametrize("aggregate", ["sum", "max"])
 @pytest.mark.parametrize("block", [1, 16, 32, 128])
 @pytest.mark.parametrize("ratio", [0.5, 0.75, 0.9])
 @pytest.mark.parametrize(("sink_blocks", "recent_tokens"), [(0, 0), (1, 0), (2, 20), (0, 37)])
@@ -117,8 +106,7 @@ def test_topk_model_scope_matches_slow_reference(
         recent_tokens=recent_tokens,
     )
     masks = kept_masks(select_layers(policy, obs, num_layers=LAYERS))
-    keep = uniform_budget(T, ratio)
-    scores, forced = slow_block_scores(obs, block, aggregate, keep=keep)
+    scores, forced = slow_block_scores(obs, block, aggregate)
     k = min(len(scores), max(1, math.floor(uniform_budget(T, ratio) / block + 0.5)))
     chosen = [b for b in range(len(scores)) if forced[b]]
     chosen += [b for b in slow_protected(T, block, k, sink_blocks, recent_tokens) if not forced[b]]
@@ -296,10 +284,7 @@ def test_defaults():
         ("snapkv/aggregate=max", "aggregate='max' is an option of the model-wide scope"),
         ("prob:snapkv/aggregate=max", "aggregate='max' is an option of the model-wide scope"),
         ("prob:kvzip/aggregate=sum", "aggregate='sum' is an option of the model-wide scope"),
-        (
-            "snapkv/scope=model/aggregate=mean",
-            "aggregate must be one of 'sum', 'max', 'peak', 'votes'",
-        ),
+        ("snapkv/scope=model/aggregate=mean", "aggregate must be one of 'sum', 'max'"),
         ("snapkv/scope=model/sink_blocks=-1", "sink_blocks must be >= 0"),
         ("prob:snapkv/scope=model/recent_tokens=1.5", "recent_tokens must be an integer"),
         ("snapkv/sink_blocks=1", "sink_blocks=1 is an option of the model-wide scope"),

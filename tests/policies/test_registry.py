@@ -168,7 +168,7 @@ def test_ratio_is_not_part_of_the_name():
 VALUES = {
     "tau": ["0.5", "1", "2", "10", "inf"],
     "scope": ["head", "global", "model"],
-    "aggregate": ["sum", "max", "peak", "votes"],
+    "aggregate": ["sum", "max"],
     "sink_blocks": ["0", "1", "2"],
     "recent_tokens": ["0", "64"],
     "sampler": ["with_replacement", "pps"],

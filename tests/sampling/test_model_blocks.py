@@ -23,53 +23,27 @@ def random_pis(layers: int, heads: int, t: int, seed: int) -> list[torch.Tensor]
     return out
 
 
-def slow_masses(pis, block, aggregate, keep=None):
-    """Loops: per (layer, head) and block, the mass summed over the block's positions, or
-    the largest one (``peak``), or the count of the head's ``keep`` largest positive masses
-    among them (``votes``); then the sum over heads (``max``: the max)."""
+def slow_masses(pis, block, aggregate):
     t = pis[0].shape[-1]
     k = math.ceil(t / block)
     out = []
     for b in range(k):
-        span = range(b * block, min(t, b * block + block))
         per_head = []
         for pi in pis:
             for h in range(pi.shape[0]):
-                values = [float(v) for v in pi[h]]
-                ranked = sorted(range(t), key=lambda i: -values[i])[: keep or 0]
-                top = {i for i in ranked if values[i] > 0}
-                if aggregate == "peak":
-                    per_head.append(max(values[i] for i in span))
-                elif aggregate == "votes":
-                    per_head.append(float(sum(1 for i in span if i in top)))
-                else:
-                    per_head.append(sum(values[i] for i in span))
-        out.append(max(per_head) if aggregate == "max" else sum(per_head))
+                per_head.append(
+                    sum(float(pi[h, i]) for i in range(b * block, min(t, b * block + block)))
+                )
+        out.append(sum(per_head) if aggregate == "sum" else max(per_head))
     return torch.tensor(out, dtype=torch.float64)
 
 
-@pytest.mark.parametrize("aggregate", ["sum", "max", "peak", "votes"])
+@pytest.mark.parametrize("aggregate", ["sum", "max"])
 @pytest.mark.parametrize(("t", "block"), [(64, 16), (70, 16), (50, 1), (33, 32), (10, 128)])
 def test_block_masses_match_loops(aggregate, t, block):
     pis = random_pis(3, 2, t, seed=t + block)
-    pis[0][1, 3] = 0.0  # a forced entry: no mass, no vote
-    keep = max(1, t // 3)
-    got = model_blocks.block_masses(pis, block, aggregate, keep=keep)
-    want = slow_masses(pis, block, aggregate, keep)
-    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-
-
-def test_votes_count_every_heads_top_entries_once():
-    """Each head casts exactly ``keep`` votes when it has that many positive masses."""
-    pis = random_pis(2, 3, 40, seed=5)
-    votes = model_blocks.block_masses(pis, 8, "votes", keep=7)
-    assert float(votes.sum()) == 2 * 3 * 7
-
-
-@pytest.mark.parametrize("keep", [None, 0, -2, 1.5, True])
-def test_votes_need_a_keep(keep):
-    with pytest.raises(ValueError, match=f"aggregate='votes' needs keep, an int >= 1, got {keep}"):
-        model_blocks.block_masses(random_pis(1, 1, 8, 0), 4, "votes", keep=keep)
+    got = model_blocks.block_masses(pis, block, aggregate)
+    torch.testing.assert_close(got, slow_masses(pis, block, aggregate), rtol=1e-12, atol=1e-12)
 
 
 def test_forced_blocks_any_layer_or_head():
@@ -200,7 +174,7 @@ def test_bad_block_sizes_refused(bad):
 
 
 def test_bad_aggregate_refused():
-    with pytest.raises(ValueError, match="aggregate must be one of 'sum', 'max', 'peak', 'votes'"):
+    with pytest.raises(ValueError, match="aggregate must be one of 'sum', 'max'"):
         model_blocks.block_masses(random_pis(1, 1, 8, 0), 4, "mean")
 
 

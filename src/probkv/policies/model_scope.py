@@ -83,12 +83,11 @@ def select(
     inclusion probabilities (``None``: no weights); the log-weights are ``-log P_b / tau``."""
     block = policy.block
     t = common_length(observations)
-    per_head = budgets.uniform_budget(t, policy.ratio)
-    mass = model_blocks.block_masses(pis, block, policy.aggregate, keep=max(1, per_head))
+    mass = model_blocks.block_masses(pis, block, policy.aggregate)
     forced = model_blocks.forced_blocks([obs.forced for obs in observations], t, block)
     if t % block:  # the last, partial block takes the next tokens in a paged cache (S12)
         forced[-1] = True
-    k = model_blocks.block_budget(per_head, t, block)
+    k = model_blocks.block_budget(budgets.uniform_budget(t, policy.ratio), t, block)
     forced |= model_blocks.protected_blocks(
         t, block, k, sink_blocks=policy.sink_blocks, recent_tokens=policy.recent_tokens
     )

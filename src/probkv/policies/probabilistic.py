@@ -100,7 +100,7 @@ class ProbabilisticPolicy(EvictionPolicy):
     design: Design | None = None
     weighting: Weighting | None = None
     proposal_options: Proposal | None = None
-    aggregate: str | None = None  # scope="model" only (S11): model_blocks.AGGREGATES
+    aggregate: str | None = None  # scope="model" only (S11): "sum" (default) or "max"
     sink_blocks: int | None = None  # scope="model" only: first blocks kept by rule
     recent_tokens: int | None = None  # scope="model" only: last positions kept by rule
     threshold: float | None = None  # S11: the ratio adapts per prompt (probkv.policies.threshold)

@@ -64,8 +64,8 @@ class TopKPolicy(EvictionPolicy):
       none, the default), as ``prob:<score>/pool=k`` does: the matched top-k baseline.
     - ``scope="model"`` (S11): one kept set of whole blocks of ``block`` positions (default
       16) for every layer and head, the top ``k`` blocks by ``aggregate`` (``"sum"``, default,
-      ``"max"``, ``"peak"`` or ``"votes"``, ``probkv.sampling.model_blocks.AGGREGATES``) of
-      each head's softmax mass of its (pooled) log-scores in the block; uniform layer and head budgets only. Not layerwise.
+      or ``"max"``) of each head's softmax mass of its (pooled) log-scores in the block
+      (``probkv.sampling.model_blocks``); uniform layer and head budgets only. Not layerwise.
       The first ``sink_blocks`` blocks and the blocks of the last ``recent_tokens`` positions
       are kept by rule, counted in the budget (``model_blocks.protected_blocks``; defaults
       ``model_scope.DEFAULTS``). ``block``, ``aggregate``, ``sink_blocks`` and

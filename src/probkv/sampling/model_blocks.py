@@ -3,11 +3,8 @@
 A paged KV cache (vLLM's) frees memory by blocks of ``b`` consecutive positions shared by all
 layers and heads of a request, so a method that must fit it keeps whole blocks, the same ones
 everywhere. Positions are cut into blocks ``[0, b), [b, 2b), ...`` from the first position (the
-last block may be shorter). Each block gets one score over every (layer, head) (``AGGREGATES``):
-``"sum"`` of the heads' proposal masses in the block, their ``"max"``, ``"peak"`` (the sum
-over heads of the largest single position's mass in the block) or ``"votes"`` (how many of
-each head's ``keep`` highest-mass positions fall in the block, summed over heads: the blocks
-per-head top-k would draw on); a block
+last block may be shorter). Each block gets one score, an aggregate over every (layer, head) of
+that head's proposal mass in the block (``"sum"`` of the masses, or their ``"max"``); a block
 holding any always-kept entry of any head (sinks, the recent window, SnapKV's window) is kept
 with ``P_b = 1``. The budget is ``k = floor(B / b + 1/2)`` blocks (``B`` the per-head budget
 in positions, ``probkv.budgets.uniform_budget``), clamped to ``[1, number of blocks]`` and
@@ -37,8 +34,8 @@ from probkv import sampling
 from probkv._checks import check_choice
 from probkv.sampling import span_designs
 
-AGGREGATES = ("sum", "max", "peak", "votes")
-"""How a block's score combines the heads' proposal masses of its positions (S11)."""
+AGGREGATES = ("sum", "max")
+"""How a block's score combines the heads' proposal masses in it (S11)."""
 
 
 def check_aggregate(aggregate: str) -> str:
@@ -64,28 +61,15 @@ def _per_block(x: torch.Tensor, block: int) -> torch.Tensor:
     return torch.cat([x, pad], -1).reshape(rows, k, block)
 
 
-def block_masses(
-    pis: Sequence[torch.Tensor], block: int, aggregate: str, keep: int | None = None
-) -> torch.Tensor:
-    """float64 ``[K]``: each block's score over every layer's ``[H, t]`` proposal ``pis``, by
-    ``aggregate`` (``AGGREGATES``); ``"votes"`` needs ``keep`` (>= 1, each head's budget in
-    positions; ties among a head's masses broken by ``torch.topk``)."""
+def block_masses(pis: Sequence[torch.Tensor], block: int, aggregate: str) -> torch.Tensor:
+    """float64 ``[K]``: each block's score over every layer's ``[H, t]`` proposal ``pis``: the
+    sum (``"sum"``) or the max (``"max"``) over (layer, head) of the head's mass in the block."""
     check_aggregate(aggregate)
     lengths = {pi.shape[-1] for pi in pis}
     if len(lengths) != 1:
         raise ValueError(f"model-wide blocks need one prefix length, got {sorted(lengths)}")
-    flat = torch.cat([pi.double().cpu() for pi in pis])  # [L*H, t]
-    if aggregate == "votes":
-        if keep is None or isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            raise ValueError(f"aggregate='votes' needs keep, an int >= 1, got {keep!r}")
-        top = flat.topk(min(keep, flat.shape[-1]), -1).indices
-        chosen = torch.zeros_like(flat).scatter_(-1, top, 1.0)
-        flat = torch.where(flat > 0, chosen, 0.0)  # a zero-mass entry (forced) casts no vote
-    per_block = _per_block(flat, block)  # [L*H, K, block]
-    if aggregate == "peak":
-        return per_block.max(-1).values.sum(0)
-    rows = per_block.sum(-1)  # [L*H, K]
-    return rows.max(0).values if aggregate == "max" else rows.sum(0)
+    rows = torch.cat([_per_block(pi.double().cpu(), block).sum(-1) for pi in pis])  # [L*H, K]
+    return rows.sum(0) if aggregate == "sum" else rows.max(0).values
 
 
 def forced_blocks(forced: Sequence[torch.Tensor | None], t: int, block: int) -> torch.Tensor:
