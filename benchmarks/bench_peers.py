@@ -324,7 +324,8 @@ def run_probkv(args, prompts, model_path):
 
 def table(args, prompts, probkv_runs, peer, tokenizer):
     """Markdown rows, one per (engine, configuration): kept positions, answers kept of the
-    engine's own full cache's, req/s and its ratio over the engine's plain run."""
+    engine's own full cache's (kept of the full cache's right ones; all right ones), req/s
+    and its ratio over the engine's plain run."""
     n = len(prompts)
     lines = [
         "| engine | run | kept positions (mean) | answers kept | req/s | / plain |",
@@ -342,12 +343,13 @@ def table(args, prompts, probkv_runs, peer, tokenizer):
             if ev is not None:
                 kept = ev["max_cache_size"]
             share = kept_share(scores, full)
+            kept_answers = sum(min(s, f) for s, f in zip(scores, full))
             rows.append({"engine": engine, "run": run["name"], "kept_positions": kept,
                          "scores": scores, "kept_share": share, "req_s": rate})  # fmt: skip
             shown = f"{kept:.0f}" if kept is not None else "all"
             lines.append(
-                f"| {engine} | {run['name']} | {shown} | {share:.1%} ({sum(scores):g} of "
-                f"{sum(full):g}) | {rate:.3f} | {rate / plain:.2f}x |"
+                f"| {engine} | {run['name']} | {shown} | {share:.1%} ({kept_answers:g} of "
+                f"{sum(full):g}; {sum(scores):g} right) | {rate:.3f} | {rate / plain:.2f}x |"
             )
     return lines, rows
 

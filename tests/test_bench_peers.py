@@ -132,8 +132,13 @@ def test_the_table_puts_each_engine_over_its_own_plain_run(load_benchmark, tiny_
         {"name": "snapkv r=0.75", "wall_s": 5.0, "token_ids": right, "kept_positions": 190.0},
     ]
     lines, rows = bench.table(args, prompts, ours, peer, tokenizer)
-    assert "| probkv (vLLM) | snapkv r=0.75 | 190 | 100.0% (2 of 2) | 0.400 | 0.80x |" in lines
-    assert "| OpenVINO GenAI | evict r=0.75 | 192 | 50.0% (1 of 2) | 2.000 | 2.00x |" in lines
+    assert (
+        "| probkv (vLLM) | snapkv r=0.75 | 190 | 100.0% (2 of 2; 2 right) | 0.400 | 0.80x |"
+        in lines
+    )
+    assert (
+        "| OpenVINO GenAI | evict r=0.75 | 192 | 50.0% (1 of 2; 1 right) | 2.000 | 2.00x |" in lines
+    )
     assert [r["kept_share"] for r in rows] == [1.0, 1.0, 1.0, 0.5]
 
 
