@@ -13,7 +13,8 @@ inside the prompt, greedy. probkv's side is one vLLM engine with probkv's plugin
 longest prompt, its default; prefix caching off, so no run reuses another's prefill), the
 whole batch once with ``full`` and once per method and ratio. The peer's side runs in its own
 Python environment (``--ov-python``; without it the script makes ``--ov-venv`` with
-``python -m venv <dir> && <dir>/bin/pip install {OV_PIP}`` from PyPI; it never touches
+``python -m venv <dir> && <dir>/bin/pip install 'openvino-genai==2026.4.*'`` from PyPI (``OV_PIP``;
+openvino and openvino-tokenizers come with it; measured with 2026.4.1); it never touches
 probkv's environments): ``openvino_genai.ContinuousBatchingPipeline`` on the model exported
 from the folder probkv loads (``--ov-model``; export it offline with ``HF_HUB_OFFLINE=1
 optimum-cli export openvino --model <probkv's converted folder> --task
@@ -46,7 +47,7 @@ import time
 from pathlib import Path
 
 BLOCK = 32  # positions per KV block: vLLM's CPU backend here and OpenVINO's CPU plugin
-OV_PIP = "'openvino-genai==2026.4.*'"
+OV_PIP = "'openvino-genai==2026.4.*'"  # the docstring's pip line
 AGGREGATIONS = ("SUM", "NORM_SUM")
 CONCURRENT = 8  # requests at once in either engine (probkv.vllm.engine.DEFAULT_CONCURRENT)
 DEFAULT_TASKS = "niah_single_1,niah_single_2,niah_multikey_1"

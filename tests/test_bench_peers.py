@@ -147,3 +147,8 @@ def test_both_engines_get_the_same_concurrency(load_benchmark):
 
     bench = load_benchmark("bench_peers")
     assert (bench.CONCURRENT, bench.BLOCK) == (DEFAULT_CONCURRENT, BLOCK_SIZE)
+
+
+def test_the_docstring_gives_the_pip_line_the_script_runs(load_benchmark):
+    bench = load_benchmark("bench_peers")
+    assert f"<dir>/bin/pip install {bench.OV_PIP}``" in bench.__doc__
