@@ -197,7 +197,9 @@ class VllmRunner:
     memory (default: :data:`DEFAULT_CONCURRENT` requests of ``max_model_len``); at most as
     many requests run at once as fit whole in it (``max_num_seqs``), so no request is ever
     preempted (a preempted request is recomputed: the same tokens, more time). With more
-    tensor-parallel ranks than cores, threads are bound by :func:`bind_threads`."""
+    tensor-parallel ranks than cores, threads are bound by :func:`bind_threads`.
+    ``prefix_caching``: vLLM's ``enable_prefix_caching`` (None: vLLM's default, on); a
+    benchmark timing the same prompts run after run turns it off."""
 
     def __init__(
         self,
@@ -210,6 +212,7 @@ class VllmRunner:
         seed: int = 0,
         log_weights: bool = True,
         forcing: bool = False,
+        prefix_caching: bool | None = None,
     ) -> None:
         from vllm import LLM
 
@@ -242,6 +245,7 @@ class VllmRunner:
             disable_log_stats=False,  # per-request timestamps (RequestOutput.metrics)
             seed=seed,
             **({"logits_processors": [_forcing_processor()]} if forcing else {}),
+            **({} if prefix_caching is None else {"enable_prefix_caching": prefix_caching}),
             **engine_options(
                 "full", 0.0, report=str(self.report), block_size=BLOCK_SIZE,
                 log_weights=log_weights,
